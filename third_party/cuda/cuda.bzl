@@ -16,6 +16,8 @@ for each, plus PTX of the highest so newer GPUs can JIT it). When CUDA is off (n
 sees MOE_HAVE_CUDA=0 through //third_party/cuda:cuda_config.
 """
 
+load("@local_cuda//:defs.bzl", "CUDA_PATH")
+
 BoolValue = provider(fields = ["value"])
 StringListValue = provider(fields = ["value"])
 
@@ -41,13 +43,20 @@ def _arch_number(arch):
             return arch[len(prefix):]
     fail("CUDA architecture '%s' is not of the form sm_NN" % arch)
 
+def _arch_value(arch):
+    # "90a" (architecture-specific features) sorts with 90.
+    return int(arch.rstrip("af"))
+
 def _cuda_objects_impl(ctx):
     if not ctx.attr._enabled[BoolValue].value:
         return [DefaultInfo(files = depset())]
     archs = [_arch_number(a) for a in ctx.attr._archs[StringListValue].value]
     if not archs:
         fail("//third_party/cuda:archs is empty")
-    highest = sorted(archs, key = lambda a: int(a.rstrip("a")))[-1]
+    highest = archs[0]
+    for a in archs:
+        if _arch_value(a) > _arch_value(highest):
+            highest = a
     gencode = []
     for a in archs:
         gencode += ["-gencode", "arch=compute_%s,code=sm_%s" % (a, a)]
@@ -64,9 +73,12 @@ def _cuda_objects_impl(ctx):
         system_includes += cc.system_includes.to_list()
         defines += cc.defines.to_list()
     inputs = depset(ctx.files.srcs, transitive = headers)
-    if not ctx.files._nvcc:
-        fail("CUDA is enabled but no nvcc was found; build with --config=nocuda")
-    nvcc = ctx.files._nvcc[0]
+    if not CUDA_PATH:
+        fail("CUDA is enabled but no toolkit was found (set CUDA_PATH); build with --config=nocuda")
+
+    # nvcc is run from the toolkit itself: it locates cicc, ptxas and its profile next to its own
+    # path, which a sandboxed symlink would hide.
+    nvcc = CUDA_PATH + "/bin/nvcc"
 
     outs = []
     for src in ctx.files.srcs:
@@ -91,11 +103,7 @@ def _cuda_objects_impl(ctx):
             progress_message = "nvcc %s" % src.short_path,
             use_default_shell_env = True,
         )
-
-        # The same -fPIC object under the non-PIC name, so static and dynamic links both find it.
-        obj = ctx.actions.declare_file("_cuda_objs/%s/%s.o" % (ctx.label.name, stem))
-        ctx.actions.symlink(output = obj, target_file = pic)
-        outs += [pic, obj]
+        outs.append(pic)
     return [DefaultInfo(files = depset(outs))]
 
 _cuda_objects = rule(
@@ -107,7 +115,6 @@ _cuda_objects = rule(
         "copts": attr.string_list(),
         "_enabled": attr.label(default = "//third_party/cuda:enabled"),
         "_archs": attr.label(default = "//third_party/cuda:archs"),
-        "_nvcc": attr.label(default = "@local_cuda//:nvcc", allow_files = True),
     },
 )
 
