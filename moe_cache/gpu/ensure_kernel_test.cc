@@ -1,0 +1,193 @@
+// The CUDA ensure kernel against the CPU mirror: identical slot maps, policy state, slot ids and
+// miss plans after every step of a long routed trace (GPU test; skips without a GPU).
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "common/gpu_test_util.h"
+#include "gtest/gtest.h"
+#include "moe_cache/ensure_cpu.h"
+#include "moe_cache/gpu/ensure_kernels.h"
+
+#if MOE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace moe::moe_cache {
+namespace {
+
+#if MOE_HAVE_CUDA
+
+// Skewed routing with temporal locality: per layer a random rank permutation and a Zipf-like
+// draw; each token keeps some of the previous token's experts. Rows >= real_rows are padding.
+class Router {
+ public:
+  Router(int layers, int experts, int k, uint32_t seed)
+      : layers_(layers), experts_(experts), k_(k), rng_(seed), prev_(layers) {
+    perm_.resize(layers);
+    for (auto& p : perm_) {
+      p.resize(experts);
+      for (int e = 0; e < experts; ++e) p[e] = e;
+      std::shuffle(p.begin(), p.end(), rng_);
+    }
+    for (int r = 0; r < experts; ++r) cdf_.push_back((r ? cdf_.back() : 0.0) + 1.0 / (r + 1.0));
+  }
+
+  // ids [tokens * k] for one layer.
+  std::vector<int32_t> Route(int layer, int tokens, int real_rows) {
+    std::vector<int32_t> ids(static_cast<size_t>(tokens) * k_, -1);
+    std::uniform_real_distribution<double> u(0.0, cdf_.back());
+    std::bernoulli_distribution keep(0.5);
+    for (int t = 0; t < real_rows; ++t) {
+      std::vector<int32_t> row;
+      for (int32_t e : prev_[layer]) {
+        if (static_cast<int>(row.size()) < k_ && keep(rng_)) row.push_back(e);
+      }
+      while (static_cast<int>(row.size()) < k_) {
+        const int rank = static_cast<int>(std::lower_bound(cdf_.begin(), cdf_.end(), u(rng_)) -
+                                          cdf_.begin());
+        const int32_t e = perm_[layer][std::min(rank, experts_ - 1)];
+        if (std::find(row.begin(), row.end(), e) == row.end()) row.push_back(e);
+      }
+      std::copy(row.begin(), row.end(), ids.begin() + static_cast<size_t>(t) * k_);
+      prev_[layer] = row;
+    }
+    return ids;
+  }
+
+ private:
+  int layers_, experts_, k_;
+  std::mt19937 rng_;
+  std::vector<std::vector<int32_t>> perm_;
+  std::vector<double> cdf_;
+  std::vector<std::vector<int32_t>> prev_;
+};
+
+struct Case {
+  int32_t policy;
+  int layers, experts, k, slots, tokens_per_step, steps;
+  bool pin;
+};
+
+void RunMirror(const Case& c) {
+  CacheConfig config;
+  config.num_layers = c.layers;
+  config.num_experts = c.experts;
+  config.num_slots = c.slots;
+  config.params = DefaultPolicyParams(c.policy);
+  auto cpu_or = CpuExpertCache::Create(config);
+  ASSERT_TRUE(cpu_or.ok()) << cpu_or.status();
+  CpuExpertCache cpu = std::move(*cpu_or);
+  auto dev_or = DeviceCacheState::Create(c.layers, c.experts, c.slots, config.params);
+  ASSERT_TRUE(dev_or.ok()) << dev_or.status();
+  DeviceCacheState& dev = **dev_or;
+
+  const int n = c.tokens_per_step * c.k;
+  const uint64_t le = static_cast<uint64_t>(c.layers) * c.experts;
+  int32_t *d_ids, *d_slots, *d_count;
+  MissPlanEntry* d_plan;
+  ASSERT_EQ(cudaMalloc(&d_ids, sizeof(int32_t) * n * c.layers), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_slots, sizeof(int32_t) * n * c.layers), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_count, sizeof(int32_t) * c.layers), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_plan, sizeof(MissPlanEntry) * n * c.layers), cudaSuccess);
+
+  std::vector<int32_t> h_slot_of(le), h_expert_of_slot(c.slots), h_slots(n * c.layers),
+      h_count(c.layers);
+  std::vector<uint32_t> h_last_use(c.slots), h_freq(le);
+  std::vector<uint8_t> h_pinned(le);
+  std::vector<MissPlanEntry> h_plan(static_cast<size_t>(n) * c.layers);
+  uint32_t h_counter = 0;
+  CacheStateView host{h_slot_of.data(), h_expert_of_slot.data(), h_last_use.data(),
+                      h_freq.data(),    h_pinned.data(),         &h_counter,
+                      c.layers,         c.experts,               c.slots,
+                      config.params};
+
+  Router router(c.layers, c.experts, c.k, 1234u + c.policy);
+  std::mt19937 rng(99);
+  int64_t total_misses = 0;
+  for (int step = 0; step < c.steps; ++step) {
+    if (c.pin && step % 500 == 250) {
+      // Re-pin a random set of experts (as the host pinner does between steps) on both sides.
+      std::vector<uint8_t> pins(le, 0);
+      for (int i = 0; i < c.slots / 4; ++i) pins[rng() % le] = 1;
+      for (uint64_t g = 0; g < le; ++g) cpu.SetPinned(static_cast<int32_t>(g), pins[g] != 0);
+      ASSERT_TRUE(dev.UploadPinned(pins.data()).ok());
+    }
+    // Some steps pad their last token (a batch bucket larger than the live batch).
+    const int real_rows = (step % 3 == 2 && c.tokens_per_step > 1) ? c.tokens_per_step - 1
+                                                                   : c.tokens_per_step;
+    std::vector<std::vector<MissPlanEntry>> cpu_plans(c.layers);
+    std::vector<std::vector<int32_t>> cpu_slots(c.layers);
+    for (int layer = 0; layer < c.layers; ++layer) {
+      std::vector<int32_t> ids = router.Route(layer, c.tokens_per_step, real_rows);
+      ASSERT_EQ(cudaMemcpy(d_ids + layer * n, ids.data(), sizeof(int32_t) * n,
+                           cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_TRUE(LaunchEnsureExperts(dev.view(), layer, d_ids + layer * n, n,
+                                      d_slots + layer * n, d_count + layer, d_plan + layer * n,
+                                      nullptr)
+                      .ok());
+      auto r = cpu.Ensure(layer, ids, c.tokens_per_step, c.k);
+      ASSERT_TRUE(r.ok()) << r.status();
+      cpu_plans[layer] = r->plan;
+      cpu_slots[layer] = r->slots;
+      total_misses += static_cast<int64_t>(r->plan.size());
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_TRUE(dev.Download(host).ok());
+    ASSERT_EQ(cudaMemcpy(h_slots.data(), d_slots, sizeof(int32_t) * n * c.layers,
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(h_count.data(), d_count, sizeof(int32_t) * c.layers,
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(h_plan.data(), d_plan, sizeof(MissPlanEntry) * n * c.layers,
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    ASSERT_EQ(h_slot_of, cpu.slot_of()) << "slot map differs after step " << step;
+    ASSERT_EQ(h_expert_of_slot, cpu.expert_of_slot()) << "step " << step;
+    ASSERT_EQ(h_last_use, cpu.last_use()) << "step " << step;
+    ASSERT_EQ(h_freq, cpu.freq()) << "step " << step;
+    ASSERT_EQ(h_counter, cpu.call_counter()) << "step " << step;
+    for (int layer = 0; layer < c.layers; ++layer) {
+      ASSERT_EQ(h_count[layer], static_cast<int32_t>(cpu_plans[layer].size()))
+          << "step " << step << " layer " << layer;
+      for (size_t m = 0; m < cpu_plans[layer].size(); ++m) {
+        ASSERT_EQ(h_plan[layer * n + m].expert, cpu_plans[layer][m].expert);
+        ASSERT_EQ(h_plan[layer * n + m].slot, cpu_plans[layer][m].slot);
+      }
+      ASSERT_TRUE(std::equal(cpu_slots[layer].begin(), cpu_slots[layer].end(),
+                             h_slots.begin() + layer * n));
+    }
+  }
+  // The trace must actually exercise eviction.
+  EXPECT_GT(total_misses, static_cast<int64_t>(c.slots) * 2);
+  cudaFree(d_ids);
+  cudaFree(d_slots);
+  cudaFree(d_count);
+  cudaFree(d_plan);
+}
+
+TEST(EnsureKernelTest, LruMatchesCpuMirrorOver10000Steps) {
+  MOE_SKIP_WITHOUT_GPU();
+  RunMirror({kPolicyLru, 48, 128, 8, 48 * 128 / 4, 1, 10000, false});
+}
+
+TEST(EnsureKernelTest, ScoredWithPinningAndPaddingMatchesCpuMirror) {
+  MOE_SKIP_WITHOUT_GPU();
+  RunMirror({kPolicyScored, 48, 128, 8, 48 * 128 / 10, 3, 10000, true});
+}
+
+TEST(EnsureKernelTest, LfuSmallPoolMatchesCpuMirror) {
+  MOE_SKIP_WITHOUT_GPU();
+  // Fewer slots than one call's experts: some misses stay unplaced.
+  RunMirror({kPolicyLfu, 4, 64, 8, 12, 4, 2000, true});
+}
+
+#else
+TEST(EnsureKernelTest, BuiltWithoutCuda) { GTEST_SKIP() << "built without CUDA"; }
+#endif  // MOE_HAVE_CUDA
+
+}  // namespace
+}  // namespace moe::moe_cache
