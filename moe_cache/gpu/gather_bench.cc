@@ -24,7 +24,7 @@
 #include "moe_cache/gpu/slot_pool.h"
 
 #if MOE_HAVE_CUDA
-#include <cuda_runtime_api.h>
+#include <cuda_runtime.h>
 #endif
 
 ABSL_FLAG(int, store_experts, 256, "experts in the host store (rotated through, >> GPU L2)");

@@ -15,7 +15,7 @@
 #include "moe_cache/gpu/slot_pool.h"
 
 #if MOE_HAVE_CUDA
-#include <cuda_runtime_api.h>
+#include <cuda_runtime.h>
 #endif
 
 namespace moe::moe_cache {

@@ -7,6 +7,7 @@
         srcs = ["format_kernels.cu"],
         hdrs = ["format_kernels.h"],      # plain C++: no device code, no CUDA headers needed
         nocuda_srcs = ["format_kernels_nocuda.cc"],  # optional: the same symbols without CUDA
+        host_srcs = ["format_helpers.cc"],  # optional: .cc compiled in both modes
         deps = [":formats"],
     )
 
@@ -118,8 +119,11 @@ _cuda_objects = rule(
     },
 )
 
-def cuda_library(name, srcs, hdrs = [], deps = [], nocuda_srcs = [], copts = [], nvcc_copts = [], **kwargs):
-    """A cc_library whose srcs are .cu files compiled by nvcc (see the file comment)."""
+def cuda_library(name, srcs, hdrs = [], deps = [], nocuda_srcs = [], host_srcs = [], copts = [], nvcc_copts = [], **kwargs):
+    """A cc_library whose srcs are .cu files compiled by nvcc (see the file comment).
+
+    host_srcs: .cc files compiled by the C++ compiler in both modes (host-side helpers).
+    """
     _cuda_objects(
         name = name + "_cuda_objs",
         srcs = srcs,
@@ -131,7 +135,7 @@ def cuda_library(name, srcs, hdrs = [], deps = [], nocuda_srcs = [], copts = [],
     )
     native.cc_library(
         name = name,
-        srcs = select({
+        srcs = host_srcs + select({
             "//third_party/cuda:cuda_on": [":" + name + "_cuda_objs"],
             "//conditions:default": nocuda_srcs,
         }),
