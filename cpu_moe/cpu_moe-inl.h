@@ -1,0 +1,651 @@
+// Per-target kernels of cpu_moe: textual header, included once per Highway target by cpu_moe.cc
+// through hwy/foreach_target.h (the toggle guard below lets it re-enter). Not for other users.
+//
+// Layout of the work (see cpu_moe.h and seed 003):
+//   prep x  -> pass 1 (gate_up rows, split by (group, row block), routes of the group inner)
+//           -> h [routes, I] -> prep h -> pass 2 (down rows, split by H-block over all groups
+//              when deduping, by (token, H-block) otherwise) -> y.
+// Each weight row is decoded once per work item and dotted against up to kTile routes at a time,
+// so a row shared by several tokens is read from DRAM once and reused from registers / L1.
+
+#if defined(MOE_CPU_MOE_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef MOE_CPU_MOE_INL_H_
+#undef MOE_CPU_MOE_INL_H_
+#else
+#define MOE_CPU_MOE_INL_H_
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common/aligned_buffer.h"
+#include "common/formats.h"
+#include "cpu_moe/internal/forward_plan.h"
+#include "hwy/cache_control.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+#if HWY_TARGET == HWY_AVX3_DL
+// Highway 1.0.3's AVX3_DL target string names avxvnni but not avx512vnni, although its CPU check
+// requires AVX-512 VNNI for AVX3_DL; add it so the dpbusd intrinsics below compile.
+#pragma GCC target("avx512vnni")
+#endif
+namespace moe {
+namespace cpu_moe {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using common::BlockQ4_0;
+using internal::ForwardPlan;
+
+// Routes dotted against one decoded weight row at a time.
+constexpr int kTile = 4;
+// Largest H or I the row-scale scratch supports (checked by Forward).
+constexpr size_t kMaxCols = 16384;
+
+// ---------------------------------------------------------------------------------------------
+// Activations, prepared once per call in the layout the weight format's row kernel wants.
+//
+// Quantized formats (q4_0, mxfp4, nvfp4): int8 per 32-element block (scale amax / 127), split in
+// two halves matching the low and high nibbles of the packed weights: for q4_0, byte b of `lo` is
+// element 32(b/16) + b%16 and of `hi` element 32(b/16) + 16 + b%16; for mxfp4/nvfp4, lo[b] is
+// element 2b and hi[b] element 2b + 1. An int32 dot-product lane j covers lo and hi bytes
+// [4j, 4j+4), all in one 32-element activation block, whose scale is xs[j]. Weights are fed as
+// unsigned (code + offset) so that u8 x s8 instructions (maddubs, dpbusd) apply; neg[j] =
+// -offset * (sum of the 8 activation codes of lane j) removes the offset.
+// bf16: xe[i] = x[2i], xo[i] = x[2i+1], matching the even/odd halves of a u32 lane of bf16 pairs.
+// fp8: x as is.
+struct ActView {
+  const int8_t* lo;
+  const int8_t* hi;
+  const float* xs;
+  const int32_t* neg;
+  const float* xe;
+  const float* xo;
+  const float* xf;
+};
+
+template <common::WeightFormat F>
+constexpr bool IsQuant() {
+  return F == common::WeightFormat::kQ4_0 || F == common::WeightFormat::kMxfp4 ||
+         F == common::WeightFormat::kNvfp4;
+}
+
+// Unsigned code offset of the packed weights (see ActView): q4_0 codes are q in [0, 15] for the
+// value q - 8; fp4 codes go through a table to 2 * value + 12 in [0, 24].
+template <common::WeightFormat F>
+constexpr int QuantOffset() {
+  return F == common::WeightFormat::kQ4_0 ? 8 : 12;
+}
+
+// Storage for n activation vectors of length k in format F's layout.
+template <common::WeightFormat F>
+class ActSet {
+ public:
+  ActSet(size_t n, size_t k) : k_(k), n_(n) {
+    if constexpr (IsQuant<F>()) {
+      i8_ = std::make_unique<common::AlignedBuffer<int8_t>>(std::max<size_t>(1, n * k));
+      f32_ = std::make_unique<common::AlignedBuffer<float>>(std::max<size_t>(1, n * k / 8));
+      i32_ = std::make_unique<common::AlignedBuffer<int32_t>>(std::max<size_t>(1, n * k / 8));
+    } else {
+      f32_ = std::make_unique<common::AlignedBuffer<float>>(std::max<size_t>(1, n * k));
+    }
+  }
+
+  ActView View(size_t i) const {
+    ActView v{};
+    if constexpr (IsQuant<F>()) {
+      v.lo = i8_->data() + i * k_;
+      v.hi = v.lo + k_ / 2;
+      v.xs = f32_->data() + i * k_ / 8;
+      v.neg = i32_->data() + i * k_ / 8;
+    } else if constexpr (F == common::WeightFormat::kBf16) {
+      v.xe = f32_->data() + i * k_;
+      v.xo = v.xe + k_ / 2;
+    } else {
+      v.xf = f32_->data() + i * k_;
+    }
+    return v;
+  }
+
+  // Fills vector i from x[k].
+  void Prepare(size_t i, const float* HWY_RESTRICT x) {
+    const ActView v = View(i);
+    if constexpr (IsQuant<F>()) {
+      int8_t* lo = const_cast<int8_t*>(v.lo);
+      int8_t* hi = const_cast<int8_t*>(v.hi);
+      float* xs = const_cast<float*>(v.xs);
+      int32_t* neg = const_cast<int32_t*>(v.neg);
+      for (size_t b = 0; b < k_ / 32; ++b) {
+        const float* xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        const float d = amax / 127.0f;
+        const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t q[32];
+        for (int j = 0; j < 32; ++j) {
+          q[j] = static_cast<int8_t>(std::nearbyint(std::min(127.0f, std::max(-127.0f, xb[j] * inv))));
+        }
+        for (int p = 0; p < 16; ++p) {
+          if constexpr (F == common::WeightFormat::kQ4_0) {
+            lo[16 * b + p] = q[p];
+            hi[16 * b + p] = q[16 + p];
+          } else {
+            lo[16 * b + p] = q[2 * p];
+            hi[16 * b + p] = q[2 * p + 1];
+          }
+        }
+        for (int l = 0; l < 4; ++l) {
+          const size_t j = 4 * b + l;
+          int32_t s = 0;
+          for (int m = 0; m < 4; ++m) s += lo[4 * j + m] + hi[4 * j + m];
+          xs[j] = d;
+          neg[j] = -QuantOffset<F>() * s;
+        }
+      }
+    } else if constexpr (F == common::WeightFormat::kBf16) {
+      float* xe = const_cast<float*>(v.xe);
+      float* xo = const_cast<float*>(v.xo);
+      for (size_t j = 0; j < k_ / 2; ++j) {
+        xe[j] = x[2 * j];
+        xo[j] = x[2 * j + 1];
+      }
+    } else {
+      std::memcpy(const_cast<float*>(v.xf), x, k_ * sizeof(float));
+    }
+  }
+
+  size_t size() const { return n_; }
+
+ private:
+  size_t k_;
+  size_t n_;
+  std::unique_ptr<common::AlignedBuffer<int8_t>> i8_;
+  std::unique_ptr<common::AlignedBuffer<float>> f32_;
+  std::unique_ptr<common::AlignedBuffer<int32_t>> i32_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// One weight matrix of the bank ([E, rows, cols]) and the row kernels.
+
+struct MatrixRef {
+  const void* weights;
+  const void* scales;
+  const float* globals;
+  size_t rows;
+  size_t cols;
+};
+
+// sum_m u[m] * x[m] over groups of four bytes, added to the int32 lanes of acc. u is unsigned
+// (< 128 here), x signed.
+template <class D32, class VU, class VI>
+HWY_INLINE hn::Vec<D32> DotAcc(D32 d32, hn::Vec<D32> acc, VU u, VI x) {
+#if HWY_TARGET == HWY_AVX3_DL
+  (void)d32;
+  if constexpr (sizeof(acc.raw) == 64) {
+    return hn::Vec<D32>{_mm512_dpbusd_epi32(acc.raw, u.raw, x.raw)};
+  } else if constexpr (sizeof(acc.raw) == 32) {
+    return hn::Vec<D32>{_mm256_dpbusd_epi32(acc.raw, u.raw, x.raw)};
+  } else {
+    return hn::Vec<D32>{_mm_dpbusd_epi32(acc.raw, u.raw, x.raw)};
+  }
+#elif HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_SSE4
+  // u8 x s8 -> s16 pairs (no saturation: |u * x| <= 24 * 127 * 2), then pairs of s16 -> s32.
+  (void)d32;
+  if constexpr (sizeof(acc.raw) == 64) {
+    const __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(u.raw, x.raw), _mm512_set1_epi16(1));
+    return hn::Vec<D32>{_mm512_add_epi32(acc.raw, p)};
+  } else if constexpr (sizeof(acc.raw) == 32) {
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u.raw, x.raw), _mm256_set1_epi16(1));
+    return hn::Vec<D32>{_mm256_add_epi32(acc.raw, p)};
+  } else {
+    const __m128i p = _mm_madd_epi16(_mm_maddubs_epi16(u.raw, x.raw), _mm_set1_epi16(1));
+    return hn::Vec<D32>{_mm_add_epi32(acc.raw, p)};
+  }
+#else
+  // Portable: widen to i16 and multiply-add pairs.
+  const hn::Repartition<int16_t, D32> d16;
+  const hn::Half<hn::Repartition<uint8_t, D32>> du8h;
+  const hn::Half<hn::Repartition<int8_t, D32>> di8h;
+  const auto ul = hn::BitCast(d16, hn::PromoteTo(hn::Rebind<uint16_t, decltype(du8h)>(),
+                                                 hn::LowerHalf(du8h, u)));
+  const auto uh = hn::BitCast(d16, hn::PromoteTo(hn::Rebind<uint16_t, decltype(du8h)>(),
+                                                 hn::UpperHalf(du8h, u)));
+  const auto xl = hn::PromoteTo(d16, hn::LowerHalf(di8h, x));
+  const auto xh = hn::PromoteTo(d16, hn::UpperHalf(di8h, x));
+  auto unused = hn::Zero(d32);
+  acc = hn::ReorderWidenMulAccumulate(d32, ul, xl, acc, unused);
+  return hn::ReorderWidenMulAccumulate(d32, uh, xh, acc, unused);
+  // Lane order differs from the x86 paths, which the lane scales would not match; this branch
+  // exists for completeness of non-x86 builds and is exercised nowhere here.
+#endif
+}
+
+// Table from fp4 e2m1 code to 2 * value + 12 (unsigned, for u8 x s8 dot products).
+alignas(16) static constexpr uint8_t kFp4Lut[16] = {12, 13, 14, 15, 16, 18, 20, 24,
+                                                    12, 11, 10, 9,  8,  6,  4,  0};
+
+// Loads the packed nibble bytes [b, b + Lanes(d8)) of a quantized row ("byte b" as in ActView).
+template <common::WeightFormat F, class D8>
+HWY_INLINE hn::Vec<D8> LoadPacked(D8 d8, const uint8_t* HWY_RESTRICT packed,
+                                  const BlockQ4_0* HWY_RESTRICT blocks, size_t b) {
+  if constexpr (F != common::WeightFormat::kQ4_0) {
+    (void)blocks;
+    return hn::LoadU(d8, packed + b);
+  } else {
+    (void)packed;
+    const BlockQ4_0* blk = blocks + b / 16;
+    constexpr size_t kBytes = hn::MaxLanes(D8());
+#if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2
+    if constexpr (kBytes == 64) {
+      __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[0].qs)));
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[1].qs)), 1);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[2].qs)), 2);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[3].qs)), 3);
+      return hn::Vec<D8>{v};
+    } else if constexpr (kBytes == 32) {
+      return hn::Vec<D8>{_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(blk[1].qs),
+                                             reinterpret_cast<const __m128i*>(blk[0].qs))};
+    }
+#endif
+    if constexpr (kBytes <= 16) {
+      return hn::LoadU(d8, blk->qs);
+    } else {
+      alignas(64) uint8_t tmp[kBytes];
+      for (size_t i = 0; i < kBytes / 16; ++i) std::memcpy(tmp + 16 * i, blk[i].qs, 16);
+      return hn::Load(d8, tmp);
+    }
+  }
+}
+
+// Per-lane weight scales of one quantized row (lane j of the int32 dot products, see ActView),
+// including the 1/2 of the fp4 table.
+template <common::WeightFormat F>
+HWY_INLINE void RowLaneScales(const MatrixRef& m, size_t e, size_t r, float* HWY_RESTRICT wsl) {
+  const size_t k = m.cols;
+  const size_t row = e * m.rows + r;
+  if constexpr (F == common::WeightFormat::kQ4_0) {
+    const BlockQ4_0* blk = static_cast<const BlockQ4_0*>(m.weights) + row * (k / 32);
+    for (size_t b = 0; b < k / 32; ++b) {
+      const float d = common::Fp16ToFloat(blk[b].d);
+      for (int l = 0; l < 4; ++l) wsl[4 * b + l] = d;
+    }
+  } else if constexpr (F == common::WeightFormat::kMxfp4) {
+    const uint8_t* sc = static_cast<const uint8_t*>(m.scales) + row * (k / 32);
+    for (size_t b = 0; b < k / 32; ++b) {
+      const float d = 0.5f * common::Ue8m0ToFloat(sc[b]);
+      for (int l = 0; l < 4; ++l) wsl[4 * b + l] = d;
+    }
+  } else {
+    const uint8_t* sc = static_cast<const uint8_t*>(m.scales) + row * (k / 16);
+    const float g = 0.5f * m.globals[e];
+    for (size_t b = 0; b < k / 16; ++b) {
+      const float d = common::Fp8E4M3ToFloat(sc[b]) * g;
+      wsl[2 * b] = d;
+      wsl[2 * b + 1] = d;
+    }
+  }
+}
+
+// Quantized row x NT activations over packed bytes [b, nbytes) at the width of d8; returns the
+// first byte not done. Adds into sums[NT].
+template <common::WeightFormat F, int NT, class D8>
+HWY_INLINE size_t QuantDotLevel(D8 d8, const uint8_t* HWY_RESTRICT packed,
+                                const BlockQ4_0* HWY_RESTRICT blocks,
+                                const float* HWY_RESTRICT wsl, const ActView* acts, size_t b,
+                                size_t nbytes, float* HWY_RESTRICT sums) {
+  const size_t n = hn::Lanes(d8);
+  if (b + n > nbytes) return b;
+  const hn::Repartition<int8_t, D8> di8;
+  const hn::Repartition<int32_t, D8> di32;
+  const hn::Repartition<float, D8> df;
+  const auto mask = hn::Set(d8, 0x0F);
+  const auto lut = hn::LoadDup128(d8, kFp4Lut);
+  hn::Vec<decltype(df)> acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = hn::Zero(df);
+  for (; b + n <= nbytes; b += n) {
+    const auto raw = LoadPacked<F>(d8, packed, blocks, b);
+    auto lo = hn::And(raw, mask);
+    auto hi = hn::And(hn::ShiftRight<4>(raw), mask);
+    if constexpr (F != common::WeightFormat::kQ4_0) {
+      lo = hn::TableLookupBytes(lut, lo);
+      hi = hn::TableLookupBytes(lut, hi);
+    }
+    const auto ws = hn::LoadU(df, wsl + b / 4);
+    for (int t = 0; t < NT; ++t) {
+      auto s = hn::LoadU(di32, acts[t].neg + b / 4);
+      s = DotAcc(di32, s, lo, hn::LoadU(di8, acts[t].lo + b));
+      s = DotAcc(di32, s, hi, hn::LoadU(di8, acts[t].hi + b));
+      acc[t] = hn::MulAdd(hn::ConvertTo(df, s), hn::Mul(ws, hn::LoadU(df, acts[t].xs + b / 4)),
+                          acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) sums[t] += hn::GetLane(hn::SumOfLanes(df, acc[t]));
+  return b;
+}
+
+template <common::WeightFormat F, int NT, class D8>
+HWY_INLINE void QuantDotAll(D8 d8, const uint8_t* packed, const BlockQ4_0* blocks,
+                            const float* wsl, const ActView* acts, size_t b, size_t nbytes,
+                            float* sums) {
+  b = QuantDotLevel<F, NT>(d8, packed, blocks, wsl, acts, b, nbytes, sums);
+  if constexpr (hn::MaxLanes(D8()) > 16) {
+    if (b < nbytes) QuantDotAll<F, NT>(hn::Half<D8>(), packed, blocks, wsl, acts, b, nbytes, sums);
+  }
+}
+
+template <int NT, class DF>
+HWY_INLINE size_t Bf16DotLevel(DF df, const uint16_t* HWY_RESTRICT w, const ActView* acts,
+                               size_t i, size_t npairs, float* HWY_RESTRICT sums) {
+  // i counts element pairs (u32 lanes).
+  const size_t n = hn::Lanes(df);
+  if (i + n > npairs) return i;
+  const hn::RebindToUnsigned<DF> du32;
+  const hn::Repartition<uint16_t, DF> du16;
+  const auto hi_mask = hn::Set(du32, 0xFFFF0000u);
+  hn::Vec<DF> a0[NT], a1[NT];
+  for (int t = 0; t < NT; ++t) a0[t] = a1[t] = hn::Zero(df);
+  for (; i + n <= npairs; i += n) {
+    const auto w32 = hn::BitCast(du32, hn::LoadU(du16, w + 2 * i));
+    const auto we = hn::BitCast(df, hn::ShiftLeft<16>(w32));
+    const auto wo = hn::BitCast(df, hn::And(w32, hi_mask));
+    for (int t = 0; t < NT; ++t) {
+      a0[t] = hn::MulAdd(we, hn::LoadU(df, acts[t].xe + i), a0[t]);
+      a1[t] = hn::MulAdd(wo, hn::LoadU(df, acts[t].xo + i), a1[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) sums[t] += hn::GetLane(hn::SumOfLanes(df, hn::Add(a0[t], a1[t])));
+  return i;
+}
+
+template <int NT, class DF>
+HWY_INLINE void Bf16DotAll(DF df, const uint16_t* w, const ActView* acts, size_t i,
+                           size_t npairs, float* sums) {
+  i = Bf16DotLevel<NT>(df, w, acts, i, npairs, sums);
+  if constexpr (hn::MaxLanes(DF()) > 4) {
+    if (i < npairs) Bf16DotAll<NT>(hn::Half<DF>(), w, acts, i, npairs, sums);
+  }
+}
+
+// fp8 e4m3 -> f32 through the f16 bit pattern: sign to bit 15, exponent and mantissa to bits
+// 13..7 gives an f16 of value e4m3 / 256 (subnormals included), which F16C widens exactly.
+template <int NT>
+HWY_INLINE void Fp8DotRow(const uint8_t* HWY_RESTRICT w, const float* HWY_RESTRICT scale_row,
+                          size_t cols, const ActView* acts, float* HWY_RESTRICT sums) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<uint8_t, decltype(df)> d8;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  const hn::Rebind<hwy::float16_t, decltype(df)> df16;
+  const size_t n = hn::Lanes(df);
+  const auto sign = hn::Set(d16, 0x80);
+  const auto mag = hn::Set(d16, 0x7F);
+  hn::Vec<decltype(df)> total[NT];
+  for (int t = 0; t < NT; ++t) total[t] = hn::Zero(df);
+  for (size_t c0 = 0; c0 < cols; c0 += common::kFp8BlockSize) {
+    const size_t c1 = std::min(cols, c0 + common::kFp8BlockSize);
+    hn::Vec<decltype(df)> acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = hn::Zero(df);
+    for (size_t c = c0; c < c1; c += n) {
+      const auto b = hn::PromoteTo(d16, hn::LoadU(d8, w + c));
+      const auto bits = hn::Or(hn::ShiftLeft<8>(hn::And(b, sign)), hn::ShiftLeft<7>(hn::And(b, mag)));
+      const auto wf = hn::PromoteTo(df, hn::BitCast(df16, bits));
+      for (int t = 0; t < NT; ++t) acc[t] = hn::MulAdd(wf, hn::LoadU(df, acts[t].xf + c), acc[t]);
+    }
+    const auto s = hn::Set(df, 256.0f * scale_row[c0 / common::kFp8BlockSize]);
+    for (int t = 0; t < NT; ++t) total[t] = hn::MulAdd(acc[t], s, total[t]);
+  }
+  for (int t = 0; t < NT; ++t) sums[t] += hn::GetLane(hn::SumOfLanes(df, total[t]));
+}
+
+// Per-worker scratch of the row kernels.
+struct RowScratch {
+  HWY_ALIGN float wsl[kMaxCols / 8];
+};
+
+// sums[t] = dot(row r of expert e of m, acts[t]) for t < nt (nt <= kTile). wsl_ready: the lane
+// scales of this row are already in scratch (quantized formats).
+template <common::WeightFormat F, int NT>
+HWY_INLINE void DotRowN(const MatrixRef& m, size_t e, size_t r, const ActView* acts,
+                        float* sums, RowScratch& scratch, bool wsl_ready) {
+  for (int t = 0; t < NT; ++t) sums[t] = 0.0f;
+  const size_t k = m.cols;
+  const size_t row = e * m.rows + r;
+  if constexpr (IsQuant<F>()) {
+    if (!wsl_ready) RowLaneScales<F>(m, e, r, scratch.wsl);
+    const hn::ScalableTag<uint8_t> d8;
+    if constexpr (F == common::WeightFormat::kQ4_0) {
+      const BlockQ4_0* blocks = static_cast<const BlockQ4_0*>(m.weights) + row * (k / 32);
+      QuantDotAll<F, NT>(d8, nullptr, blocks, scratch.wsl, acts, 0, k / 2, sums);
+    } else {
+      const uint8_t* packed = static_cast<const uint8_t*>(m.weights) + row * (k / 2);
+      QuantDotAll<F, NT>(d8, packed, nullptr, scratch.wsl, acts, 0, k / 2, sums);
+    }
+  } else if constexpr (F == common::WeightFormat::kBf16) {
+    const uint16_t* w = static_cast<const uint16_t*>(m.weights) + row * k;
+    Bf16DotAll<NT>(hn::ScalableTag<float>(), w, acts, 0, k / 2, sums);
+  } else {
+    const uint8_t* w = static_cast<const uint8_t*>(m.weights) + row * k;
+    const size_t bcols = (k + common::kFp8BlockSize - 1) / common::kFp8BlockSize;
+    const size_t brows = (m.rows + common::kFp8BlockSize - 1) / common::kFp8BlockSize;
+    const float* scale_row = static_cast<const float*>(m.scales) + e * brows * bcols +
+                             (r / common::kFp8BlockSize) * bcols;
+    Fp8DotRow<NT>(w, scale_row, k, acts, sums);
+  }
+}
+
+// Dots one row against n activations (any n), kTile at a time; the row's scales are decoded once.
+template <common::WeightFormat F>
+HWY_INLINE void DotRowMany(const MatrixRef& m, size_t e, size_t r, const ActView* acts, int n,
+                           float* sums, RowScratch& scratch) {
+  bool ready = false;
+  int t = 0;
+  for (; t + kTile <= n; t += kTile) {
+    DotRowN<F, kTile>(m, e, r, acts + t, sums + t, scratch, ready);
+    ready = true;
+  }
+  switch (n - t) {
+    case 3: DotRowN<F, 3>(m, e, r, acts + t, sums + t, scratch, ready); break;
+    case 2: DotRowN<F, 2>(m, e, r, acts + t, sums + t, scratch, ready); break;
+    case 1: DotRowN<F, 1>(m, e, r, acts + t, sums + t, scratch, ready); break;
+    default: break;
+  }
+}
+
+// Prefetches the start of row r of expert e (the hardware prefetcher follows once streaming).
+HWY_INLINE void PrefetchRow(const MatrixRef& m, size_t e, size_t r, size_t bytes_per_row) {
+  const uint8_t* p = static_cast<const uint8_t*>(m.weights) + (e * m.rows + r) * bytes_per_row;
+  for (size_t o = 0; o < bytes_per_row && o < 512; o += 64) hwy::Prefetch(p + o);
+}
+
+inline size_t RowBytes(common::WeightFormat f, size_t cols) {
+  switch (f) {
+    case common::WeightFormat::kBf16: return cols * 2;
+    case common::WeightFormat::kFp8Block: return cols;
+    case common::WeightFormat::kQ4_0: return cols / 32 * sizeof(BlockQ4_0);
+    default: return cols / 2;
+  }
+}
+
+inline float Silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+// ---------------------------------------------------------------------------------------------
+// The whole call for one format.
+
+constexpr size_t kPass1RowBlock = 16;  // gate rows (and as many up rows) per pass-1 item
+constexpr size_t kPass2RowBlock = 16;  // H rows per pass-2 item
+
+template <common::WeightFormat F>
+void ForwardFormat(ForwardPlan& plan) {
+  const ExpertBank& bank = *plan.bank;
+  const Options& opt = *plan.options;
+  common::ThreadPool& pool = *plan.pool;
+  const size_t H = bank.hidden, I = bank.intermediate;
+  const size_t R = plan.route_token.size();
+  const size_t T = plan.num_tokens;
+  const int workers = pool.num_workers() + 1;
+  std::vector<RowScratch> scratch(workers);
+
+  const MatrixRef gate_up{bank.gate_up_weights, bank.gate_up_scales, bank.gate_up_global_scales,
+                          2 * I, H};
+  const MatrixRef down{bank.down_weights, bank.down_scales, bank.down_global_scales, H, I};
+
+  // Tokens that have at least one route, and the x activations of those.
+  std::vector<int> token_slot(T, -1);
+  std::vector<int> active_tokens;
+  for (size_t t = 0; t < T; ++t) {
+    if (plan.token_route_begin[t + 1] > plan.token_route_begin[t]) {
+      token_slot[t] = static_cast<int>(active_tokens.size());
+      active_tokens.push_back(static_cast<int>(t));
+    }
+  }
+  ActSet<F> xacts(active_tokens.size(), H);
+  {
+    std::vector<std::vector<float>> tmp(workers);
+    pool.ParallelFor(active_tokens.size(), [&](uint64_t i, int worker) {
+      const size_t t = active_tokens[i];
+      const float* xr;
+      if (plan.x_dtype == DType::kF32) {
+        xr = static_cast<const float*>(plan.x) + t * H;
+      } else {
+        std::vector<float>& buf = tmp[worker];
+        buf.resize(H);
+        const uint16_t* xb = static_cast<const uint16_t*>(plan.x) + t * H;
+        for (size_t j = 0; j < H; ++j) buf[j] = common::Bf16ToFloat(xb[j]);
+        xr = buf.data();
+      }
+      xacts.Prepare(i, xr);
+    });
+  }
+
+  // Pass 1: h[route, I] = act(gate x, up x).
+  common::AlignedBuffer<float> h(std::max<size_t>(1, R * I));
+  const size_t nrb = (I + kPass1RowBlock - 1) / kPass1RowBlock;
+  const size_t row_bytes1 = RowBytes(F, H);
+  pool.ParallelFor(plan.groups.size() * nrb, [&](uint64_t item, int worker) {
+    const internal::ExpertGroup& g = plan.groups[item / nrb];
+    const size_t r0 = (item % nrb) * kPass1RowBlock;
+    const size_t r1 = std::min(I, r0 + kPass1RowBlock);
+    const int n = g.end - g.begin;
+    ActView acts[64];
+    float gs[64], us[64];
+    RowScratch& sc = scratch[worker];
+    for (int c0 = 0; c0 < n; c0 += 64) {
+      const int nc = std::min(64, n - c0);
+      for (int i = 0; i < nc; ++i) {
+        acts[i] = xacts.View(token_slot[plan.route_token[plan.group_routes[g.begin + c0 + i]]]);
+      }
+      for (size_t r = r0; r < r1; ++r) {
+        if (r + 1 < r1) {
+          PrefetchRow(gate_up, g.expert, r + 1, row_bytes1);
+          PrefetchRow(gate_up, g.expert, I + r + 1, row_bytes1);
+        }
+        DotRowMany<F>(gate_up, g.expert, r, acts, nc, gs, sc);
+        DotRowMany<F>(gate_up, g.expert, I + r, acts, nc, us, sc);
+        for (int i = 0; i < nc; ++i) {
+          const size_t route = plan.group_routes[g.begin + c0 + i];
+          float v;
+          if (opt.activation == Activation::kSwiGlu) {
+            v = Silu(gs[i]) * us[i];
+          } else {
+            const float gc = std::min(gs[i], opt.swiglu_limit);
+            const float uc = std::min(std::max(us[i], -opt.swiglu_limit), opt.swiglu_limit);
+            v = gc / (1.0f + std::exp(-opt.swiglu_alpha * gc)) * (uc + 1.0f);
+          }
+          h.data()[route * I + r] = v;
+        }
+      }
+    }
+  });
+
+  ActSet<F> hacts(R, I);
+  pool.ParallelFor(R, [&](uint64_t r, int) { hacts.Prepare(r, h.data() + r * I); });
+
+  // Pass 2: y[t, H-block] = sum over routes of w * down_e h.
+  const size_t nhb = (H + kPass2RowBlock - 1) / kPass2RowBlock;
+  const size_t row_bytes2 = RowBytes(F, I);
+  auto write_y = [&](size_t t, size_t h0, size_t h1, const float* vals) {
+    if (plan.y_dtype == DType::kF32) {
+      float* yr = static_cast<float*>(plan.y) + t * H;
+      for (size_t j = h0; j < h1; ++j) yr[j] = (opt.accumulate ? yr[j] : 0.0f) + vals[j - h0];
+    } else {
+      uint16_t* yr = static_cast<uint16_t*>(plan.y) + t * H;
+      for (size_t j = h0; j < h1; ++j) {
+        const float prev = opt.accumulate ? common::Bf16ToFloat(yr[j]) : 0.0f;
+        yr[j] = common::FloatToBf16(prev + vals[j - h0]);
+      }
+    }
+  };
+
+  if (plan.dedup_pass2) {
+    // One item per H-block owns every token's outputs there; each expert's down rows are read
+    // once and reused across its routes; accumulation in private fp32.
+    std::vector<std::vector<float>> accs(workers);
+    pool.ParallelFor(nhb, [&](uint64_t hb, int worker) {
+      const size_t h0 = hb * kPass2RowBlock, h1 = std::min(H, h0 + kPass2RowBlock);
+      const size_t nb = h1 - h0;
+      std::vector<float>& acc = accs[worker];
+      acc.assign(active_tokens.size() * nb, 0.0f);
+      RowScratch& sc = scratch[worker];
+      ActView acts[64];
+      float dots[64];
+      for (const internal::ExpertGroup& g : plan.groups) {
+        const int n = g.end - g.begin;
+        for (int c0 = 0; c0 < n; c0 += 64) {
+          const int nc = std::min(64, n - c0);
+          for (int i = 0; i < nc; ++i) acts[i] = hacts.View(plan.group_routes[g.begin + c0 + i]);
+          for (size_t r = h0; r < h1; ++r) {
+            if (r + 1 < h1) PrefetchRow(down, g.expert, r + 1, row_bytes2);
+            DotRowMany<F>(down, g.expert, r, acts, nc, dots, sc);
+            for (int i = 0; i < nc; ++i) {
+              const size_t route = plan.group_routes[g.begin + c0 + i];
+              acc[token_slot[plan.route_token[route]] * nb + (r - h0)] +=
+                  plan.route_weight[route] * dots[i];
+            }
+          }
+        }
+      }
+      for (size_t s = 0; s < active_tokens.size(); ++s) {
+        write_y(active_tokens[s], h0, h1, acc.data() + s * nb);
+      }
+    });
+  } else {
+    pool.ParallelFor(active_tokens.size() * nhb, [&](uint64_t item, int worker) {
+      const size_t t = active_tokens[item / nhb];
+      const size_t h0 = (item % nhb) * kPass2RowBlock, h1 = std::min(H, h0 + kPass2RowBlock);
+      float acc[kPass2RowBlock] = {};
+      RowScratch& sc = scratch[worker];
+      for (int route = plan.token_route_begin[t]; route < plan.token_route_begin[t + 1]; ++route) {
+        const ActView act = hacts.View(route);
+        const int expert = plan.route_expert[route];
+        for (size_t r = h0; r < h1; ++r) {
+          if (r + 1 < h1) PrefetchRow(down, expert, r + 1, row_bytes2);
+          float dot;
+          DotRowN<F, 1>(down, expert, r, &act, &dot, sc, false);
+          acc[r - h0] += plan.route_weight[route] * dot;
+        }
+      }
+      write_y(t, h0, h1, acc);
+    });
+  }
+}
+
+void ForwardImpl(ForwardPlan& plan) {
+  switch (plan.bank->format) {
+    case common::WeightFormat::kBf16: return ForwardFormat<common::WeightFormat::kBf16>(plan);
+    case common::WeightFormat::kFp8Block:
+      return ForwardFormat<common::WeightFormat::kFp8Block>(plan);
+    case common::WeightFormat::kQ4_0: return ForwardFormat<common::WeightFormat::kQ4_0>(plan);
+    case common::WeightFormat::kNvfp4: return ForwardFormat<common::WeightFormat::kNvfp4>(plan);
+    case common::WeightFormat::kMxfp4: return ForwardFormat<common::WeightFormat::kMxfp4>(plan);
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace cpu_moe
+}  // namespace moe
+HWY_AFTER_NAMESPACE();
+
+#endif  // MOE_CPU_MOE_INL_H_ toggle guard

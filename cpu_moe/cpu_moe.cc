@@ -1,0 +1,266 @@
+// cpu_moe: validation, routing plan and the one dynamic dispatch per Forward call. The kernels
+// are in cpu_moe-inl.h, compiled once per Highway target by foreach_target.h.
+#include "cpu_moe/cpu_moe.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status.h"
+#include "cpu_moe/internal/forward_plan.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu_moe/cpu_moe.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "cpu_moe/cpu_moe-inl.h"
+#include "hwy/highway.h"
+
+#if HWY_ONCE
+namespace moe::cpu_moe {
+
+HWY_EXPORT(ForwardImpl);
+
+namespace {
+
+using common::WeightFormat;
+
+size_t RowBytesOf(WeightFormat f, size_t cols) {
+  switch (f) {
+    case WeightFormat::kBf16:
+      return cols * 2;
+    case WeightFormat::kFp8Block:
+      return cols;
+    case WeightFormat::kQ4_0:
+      return cols / common::kQ4_0Block * sizeof(common::BlockQ4_0);
+    case WeightFormat::kMxfp4:
+      return cols / 2 + cols / common::kMxfp4Block;
+    case WeightFormat::kNvfp4:
+      return cols / 2 + cols / common::kNvfp4Block;
+  }
+  return 0;
+}
+
+size_t MatrixBytes(WeightFormat f, size_t rows, size_t cols) {
+  size_t b = rows * RowBytesOf(f, cols);
+  if (f == WeightFormat::kFp8Block) {
+    const size_t bs = common::kFp8BlockSize;
+    b += ((rows + bs - 1) / bs) * ((cols + bs - 1) / bs) * sizeof(float);
+  }
+  if (f == WeightFormat::kNvfp4) b += sizeof(float);
+  return b;
+}
+
+// The Highway targets compiled into this translation unit and supported by the CPU.
+int64_t CompiledSupported() { return hwy::SupportedTargets() & HWY_TARGETS; }
+
+// The dispatch-table index of the best target in `targets` (HWY_TARGETS bit format).
+size_t TableIndex(int64_t targets) {
+  return hwy::Num0BitsBelowLS1Bit_Nonzero64(static_cast<uint64_t>(
+      (HWY_CHOSEN_TARGET_SHIFT(targets) | HWY_CHOSEN_TARGET_MASK_SCALAR) &
+      HWY_CHOSEN_TARGET_MASK_TARGETS));
+}
+
+int64_t BestTarget(int64_t targets) { return targets & -targets; }
+
+absl::StatusOr<int64_t> ChooseTarget(const std::string& cap) {
+  int64_t allowed = CompiledSupported();
+  if (!cap.empty()) {
+    int64_t cap_bit = 0;
+    for (int i = 0; i < 63; ++i) {
+      if (cap == hwy::TargetName(int64_t{1} << i)) cap_bit = int64_t{1} << i;
+    }
+    if (cap_bit == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown Highway target '", cap, "' (MOE_CPU_MAX_TARGET / max_target); "
+                       "available here: ", absl::StrJoin(AvailableTargets(), ", ")));
+    }
+    // Lower bits are better targets: keep the cap and everything below it.
+    allowed &= ~(cap_bit - 1);
+  }
+  if (allowed == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("no compiled target at or below '", cap, "' is supported by this CPU"));
+  }
+  return BestTarget(allowed);
+}
+
+absl::Status ValidateBank(const ExpertBank& b) {
+  if (b.num_experts <= 0 || b.hidden <= 0 || b.intermediate <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("expert bank shape E=", b.num_experts, " H=",
+                                                   b.hidden, " I=", b.intermediate,
+                                                   " must be positive"));
+  }
+  if (b.hidden % 32 != 0 || b.intermediate % 32 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("H=", b.hidden, " and I=", b.intermediate,
+                                                   " must be multiples of 32"));
+  }
+  if (b.hidden > 16384 || b.intermediate > 16384) {
+    return absl::InvalidArgumentError("H and I must be at most 16384");
+  }
+  if (b.gate_up_weights == nullptr || b.down_weights == nullptr) {
+    return absl::InvalidArgumentError("expert bank has null weights");
+  }
+  const bool needs_scales = b.format == WeightFormat::kFp8Block ||
+                            b.format == WeightFormat::kMxfp4 || b.format == WeightFormat::kNvfp4;
+  if (needs_scales && (b.gate_up_scales == nullptr || b.down_scales == nullptr)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(std::string(common::WeightFormatName(b.format)), " bank needs scales"));
+  }
+  if (b.format == WeightFormat::kNvfp4 &&
+      (b.gate_up_global_scales == nullptr || b.down_global_scales == nullptr)) {
+    return absl::InvalidArgumentError("nvfp4 bank needs per-expert global scales");
+  }
+  return absl::OkStatus();
+}
+
+bool EnvFlag(const char* name, bool* value) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return false;
+  *value = !(std::strcmp(v, "0") == 0 || std::strcmp(v, "false") == 0 ||
+             std::strcmp(v, "off") == 0);
+  return true;
+}
+
+}  // namespace
+
+size_t ExpertBank::GateUpBytesPerExpert() const {
+  return MatrixBytes(format, 2 * static_cast<size_t>(intermediate), hidden);
+}
+size_t ExpertBank::DownBytesPerExpert() const {
+  return MatrixBytes(format, hidden, intermediate);
+}
+
+Options Options::FromEnv() {
+  Options o;
+  EnvFlag("MOE_CPU_DEDUP", &o.dedup);
+  EnvFlag("MOE_CPU_DEBUG", &o.debug);
+  if (const char* t = std::getenv("MOE_CPU_MAX_TARGET"); t != nullptr) o.max_target = t;
+  if (const char* m = std::getenv("MOE_CPU_ONEDNN_MIN_TOKENS"); m != nullptr) {
+    int v = 0;
+    if (absl::SimpleAtoi(m, &v) && v >= 0) o.onednn_min_tokens_per_expert = v;
+  }
+  return o;
+}
+
+std::vector<std::string> AvailableTargets() {
+  std::vector<std::string> names;
+  for (int64_t t = CompiledSupported(); t != 0; t &= t - 1) {
+    names.emplace_back(hwy::TargetName(BestTarget(t)));
+  }
+  return names;
+}
+
+absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
+                     absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
+                     const void* x, DType x_dtype, void* y, DType y_dtype, const Options& options,
+                     common::ThreadPool& pool, ForwardStats* stats) {
+  RETURN_IF_ERROR(ValidateBank(bank));
+  if (num_tokens < 0 || top_k <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_tokens=", num_tokens, " top_k=", top_k, " out of range"));
+  }
+  const size_t routes_total = static_cast<size_t>(num_tokens) * top_k;
+  if (expert_ids.size() != routes_total || weights.size() != routes_total) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert_ids (", expert_ids.size(), ") and weights (", weights.size(),
+        ") must have num_tokens * top_k = ", routes_total, " entries"));
+  }
+  if (num_tokens > 0 && (x == nullptr || y == nullptr)) {
+    return absl::InvalidArgumentError("x and y must not be null");
+  }
+  ASSIGN_OR_RETURN(const int64_t target, ChooseTarget(options.max_target));
+
+  internal::ForwardPlan plan;
+  plan.bank = &bank;
+  plan.options = &options;
+  plan.pool = &pool;
+  plan.num_tokens = num_tokens;
+  plan.top_k = top_k;
+  plan.x = x;
+  plan.x_dtype = x_dtype;
+  plan.y = y;
+  plan.y_dtype = y_dtype;
+  plan.token_route_begin.assign(num_tokens + 1, 0);
+  for (int t = 0; t < num_tokens; ++t) {
+    for (int j = 0; j < top_k; ++j) {
+      const int32_t e = expert_ids[t * top_k + j];
+      if (e < 0) continue;  // padding
+      if (e >= bank.num_experts) {
+        return absl::InvalidArgumentError(absl::StrCat("expert id ", e, " at [", t, ", ", j,
+                                                       "] is >= num_experts ", bank.num_experts));
+      }
+      plan.route_token.push_back(t);
+      plan.route_expert.push_back(e);
+      plan.route_weight.push_back(weights[t * top_k + j]);
+    }
+    plan.token_route_begin[t + 1] = static_cast<int>(plan.route_token.size());
+  }
+  const int num_routes = static_cast<int>(plan.route_token.size());
+
+  // Counting sort of routes by expert (stable: token order within an expert).
+  std::vector<int> count(bank.num_experts + 1, 0);
+  for (int e : plan.route_expert) ++count[e + 1];
+  int unique = 0;
+  for (int e = 0; e < bank.num_experts; ++e) unique += count[e + 1] > 0;
+  // Dedup is inert when nothing is shared: the plain split is used as is.
+  const bool dedup = options.dedup && unique < num_routes;
+  if (dedup) {
+    for (int e = 0; e < bank.num_experts; ++e) count[e + 1] += count[e];
+    plan.group_routes.resize(num_routes);
+    std::vector<int> pos(count.begin(), count.end() - 1);
+    for (int r = 0; r < num_routes; ++r) plan.group_routes[pos[plan.route_expert[r]]++] = r;
+    for (int e = 0; e < bank.num_experts; ++e) {
+      if (count[e + 1] > count[e]) plan.groups.push_back({e, count[e], count[e + 1]});
+    }
+  } else {
+    plan.group_routes.resize(num_routes);
+    for (int r = 0; r < num_routes; ++r) {
+      plan.group_routes[r] = r;
+      plan.groups.push_back({plan.route_expert[r], r, r + 1});
+    }
+  }
+  plan.dedup_pass2 = dedup;
+
+  const char* target_name = hwy::TargetName(target);
+  if (stats != nullptr) {
+    stats->routes = num_routes;
+    stats->unique_experts = unique;
+    stats->reuse = unique > 0 ? static_cast<double>(num_routes) / unique : 0.0;
+    stats->target = target_name;
+    stats->onednn_experts = 0;
+  }
+  if (options.debug) {
+    std::fprintf(stderr, "cpu_moe: T=%d routes=%d unique_experts=%d reuse=%.3f dedup=%d target=%s\n",
+                 num_tokens, num_routes, unique,
+                 unique > 0 ? static_cast<double>(num_routes) / unique : 0.0, dedup ? 1 : 0,
+                 target_name);
+  }
+  if (num_routes == 0) return absl::OkStatus();
+
+  // One dispatch per call, at the chosen (possibly capped) target.
+  HWY_DISPATCH_TABLE(ForwardImpl)[TableIndex(target)](plan);
+  return absl::OkStatus();
+}
+
+absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
+                     absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
+                     absl::Span<const float> x, absl::Span<float> y, const Options& options,
+                     common::ThreadPool& pool, ForwardStats* stats) {
+  const size_t n = static_cast<size_t>(std::max(0, num_tokens)) * std::max(0, bank.hidden);
+  if (x.size() != n || y.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat("x (", x.size(), ") and y (", y.size(),
+                                                   ") must have num_tokens * H = ", n,
+                                                   " floats"));
+  }
+  return Forward(bank, num_tokens, top_k, expert_ids, weights, x.data(), DType::kF32, y.data(),
+                 DType::kF32, options, pool, stats);
+}
+
+}  // namespace moe::cpu_moe
+#endif  // HWY_ONCE

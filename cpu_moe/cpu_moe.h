@@ -1,0 +1,127 @@
+// cpu_moe: the routed-expert part of one MoE layer, computed on the CPU.
+//
+//   y[t] = sum_j weights[t, j] * down_e (act(gate_e x[t], up_e x[t])),  e = expert_ids[t, j]
+//
+// for experts held in host memory in any of the common weight formats (bf16, fp8_block, q4_0,
+// nvfp4, mxfp4). The GEMVs are DRAM-bound, so the kernel is organised around reading each expert
+// row once per call: routes are grouped by expert and both passes (gate_up, then down) split
+// their work by unique expert (seed 003), so tokens that share an expert share its bytes.
+// Quantized formats use int8 dot products (VNNI where the CPU has it) against activations
+// quantized per 32-element block like llama.cpp's Q8_0; bf16 and fp8 use fp32 FMAs.
+// ISA targets come from Highway dynamic dispatch, chosen once per Forward call.
+//
+// Plain types only: no Highway types in this header.
+#ifndef MOE_CPU_MOE_CPU_MOE_H_
+#define MOE_CPU_MOE_CPU_MOE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/formats.h"
+#include "common/thread_pool.h"
+
+namespace moe::cpu_moe {
+
+using common::WeightFormat;
+
+// One layer's routed experts in one weight format. Views only: the caller owns the memory, which
+// must outlive every Forward call that uses it. Matrices are row-major with the contraction
+// dimension last (rows of gate_up have H elements, rows of down have I elements).
+//
+//   gate_up: [E, 2I, H]: rows [0, I) of each expert are gate_proj, rows [I, 2I) up_proj.
+//   down:    [E, H, I].
+//
+// Per format, `*_weights` points at (per expert, experts contiguous):
+//   kBf16:     uint16_t bf16 bits [rows, cols]; no scales.
+//   kFp8Block: uint8_t e4m3 [rows, cols]; `*_scales` float [ceil(rows/128), ceil(cols/128)] per
+//              expert (common::QuantizeFp8Block's layout).
+//   kQ4_0:     common::BlockQ4_0 [rows, cols/32] (scales inside the blocks).
+//   kMxfp4:    uint8_t packed [rows, cols/2]; `*_scales` uint8_t ue8m0 [rows, cols/32].
+//   kNvfp4:    uint8_t packed [rows, cols/2]; `*_scales` uint8_t e4m3 [rows, cols/16];
+//              `*_global_scales` float [E] (one per expert tensor).
+struct ExpertBank {
+  WeightFormat format = WeightFormat::kBf16;
+  int num_experts = 0;   // E
+  int hidden = 0;        // H, a multiple of 32
+  int intermediate = 0;  // I, a multiple of 32
+  const void* gate_up_weights = nullptr;
+  const void* gate_up_scales = nullptr;
+  const float* gate_up_global_scales = nullptr;
+  const void* down_weights = nullptr;
+  const void* down_scales = nullptr;
+  const float* down_global_scales = nullptr;
+
+  // Bytes of one expert's gate_up / down weights including their scales (what one read costs).
+  size_t GateUpBytesPerExpert() const;
+  size_t DownBytesPerExpert() const;
+  size_t BytesPerExpert() const { return GateUpBytesPerExpert() + DownBytesPerExpert(); }
+};
+
+enum class Activation {
+  kSwiGlu,     // silu(gate) * up
+  kSwiGluOai,  // gpt-oss: g = min(gate, limit), u = clamp(up, -limit, limit),
+               //          g * sigmoid(alpha * g) * (u + 1)
+};
+
+enum class DType { kF32, kBf16 };
+
+struct Options {
+  Activation activation = Activation::kSwiGlu;
+  float swiglu_alpha = 1.702f;  // kSwiGluOai only
+  float swiglu_limit = 7.0f;    // kSwiGluOai only
+  // Group routes by expert in both passes (seed 003). Inert at T=1 and whenever every route has a
+  // distinct expert: the work split is then exactly the plain one.
+  bool dedup = true;
+  // Print the reuse factor (routes / unique experts) and the chosen target to stderr per call.
+  bool debug = false;
+  // Highway target name ("AVX3_DL", "AVX3", "AVX2", "SSE4", ...) to cap dispatch at; empty: the
+  // best target the CPU supports. A cap naming a supported target runs exactly that target.
+  std::string max_target;
+  // y += result instead of y = result (for adding CPU-computed misses into other outputs).
+  bool accumulate = false;
+  // Tokens per expert (routes of one expert in one call) from which that expert's GEMMs go
+  // through oneDNN instead of the GEMV kernels. 0 disables oneDNN. Only bf16 banks use it.
+  int onednn_min_tokens_per_expert = 0;
+
+  // Options with the environment's switches applied, read now (never cached):
+  //   MOE_CPU_DEDUP=0 turns dedup off, MOE_CPU_DEBUG=1 turns debug on,
+  //   MOE_CPU_MAX_TARGET=<name> caps the target, MOE_CPU_ONEDNN_MIN_TOKENS=<n>.
+  static Options FromEnv();
+};
+
+// What one Forward call did (optional output).
+struct ForwardStats {
+  int routes = 0;          // valid routes (ids >= 0)
+  int unique_experts = 0;  // distinct experts among them
+  double reuse = 0.0;      // routes / unique_experts (0 when there are no routes)
+  std::string target;      // Highway target that ran
+  int onednn_experts = 0;  // experts computed through oneDNN
+};
+
+// y[T, H] = the routed MoE output for x[T, H].
+//   expert_ids [T, k]: int32; < 0 is padding (skipped, counted nowhere); >= E is an error.
+//   weights    [T, k]: routing weights (already normalised as the model wants).
+//   x          [T, H], y [T, H]: fp32 or bf16 (bf16 as uint16_t bits) per `x_dtype`/`y_dtype`.
+// Rows of y whose token has no valid route are left untouched. Thread-safe for distinct y.
+// `pool` runs the work; its caller thread takes part.
+absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
+                     absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
+                     const void* x, DType x_dtype, void* y, DType y_dtype, const Options& options,
+                     common::ThreadPool& pool, ForwardStats* stats = nullptr);
+
+// Convenience overload for fp32 x and y.
+absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
+                     absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
+                     absl::Span<const float> x, absl::Span<float> y, const Options& options,
+                     common::ThreadPool& pool, ForwardStats* stats = nullptr);
+
+// Highway targets compiled into this library that the CPU supports, best first.
+std::vector<std::string> AvailableTargets();
+
+}  // namespace moe::cpu_moe
+
+#endif  // MOE_CPU_MOE_CPU_MOE_H_

@@ -1,0 +1,363 @@
+// Tests of cpu_moe against the float64 reference (test_bank.h), on every compiled Highway target
+// the CPU supports, every weight format, T in {1, 2, 5, 16, 64}, dedup on and off, uniform and
+// skewed routing.
+//
+// Tolerance (derived, per output element): the kernels differ from the reference that emulates
+// their activation quantization only by fp32 accumulation order and by an occasional int8
+// rounding flip of h (h is fp32 in the kernel, float64 in the reference). So
+//   |y - ref| <= 2e-4 * abs_scale + flip + 1e-7,
+// abs_scale = sum over routes |w| sum_i |D h| (what fp32 rounding acts on: a few ulps, 6e-8 each,
+// grown by up to sqrt(H) partial sums, plus h's own relative error) and flip = one quantization
+// step of h times the largest |D| per route. A wrong block scale moves the output by about
+// abs_scale / sqrt(blocks) and a missed route by its whole term: both far above, and the negative
+// controls below check that they fail.
+// Against the plain float64 reference (no activation emulation) the relative Frobenius error is
+// bounded by the int8 activation error (two stages of about 0.4% RMS each) for quantized formats,
+// by fp32 rounding otherwise.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/formats.h"
+#include "common/thread_pool.h"
+#include "cpu_moe/cpu_moe.h"
+#include "cpu_moe/test_bank.h"
+#include "gtest/gtest.h"
+
+namespace moe::cpu_moe {
+namespace {
+
+using common::WeightFormat;
+using testing::HostBank;
+using testing::MakeRandomBank;
+using testing::ReferenceForward;
+
+constexpr WeightFormat kFormats[] = {WeightFormat::kBf16, WeightFormat::kFp8Block,
+                                     WeightFormat::kQ4_0, WeightFormat::kNvfp4,
+                                     WeightFormat::kMxfp4};
+// H and I exercise every vector width's tail (128 + 64 + 32 elements) and partial fp8 blocks.
+constexpr int kE = 16, kH = 224, kI = 160, kTopK = 4;
+
+struct Routing {
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+};
+
+// Distinct experts per token; skewed draws from a Zipf-like law over experts.
+Routing MakeRouting(int T, int E, int k, bool skewed, std::mt19937_64& rng) {
+  Routing r;
+  std::vector<double> p(E);
+  for (int e = 0; e < E; ++e) p[e] = skewed ? 1.0 / std::pow(e + 1.0, 1.2) : 1.0;
+  std::uniform_real_distribution<float> uw(0.05f, 1.0f);
+  for (int t = 0; t < T; ++t) {
+    std::vector<double> q = p;
+    for (int j = 0; j < k; ++j) {
+      std::discrete_distribution<int> d(q.begin(), q.end());
+      const int e = d(rng);
+      q[e] = 0.0;
+      r.ids.push_back(e);
+      r.weights.push_back(uw(rng));
+    }
+  }
+  return r;
+}
+
+std::vector<float> RandomX(int T, int H, std::mt19937_64& rng) {
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(T) * H);
+  for (float& v : x) v = n(rng);
+  return x;
+}
+
+// max over elements of |y - ref| / tol (<= 1 passes).
+double WorstRatio(const std::vector<float>& y, const std::vector<double>& ref,
+                  const std::vector<double>& abs_scale, const std::vector<double>& flip) {
+  double worst = 0.0;
+  for (size_t i = 0; i < y.size(); ++i) {
+    const double tol = 2e-4 * abs_scale[i] + flip[i] + 1e-7;
+    const double err = std::fabs(static_cast<double>(y[i]) - ref[i]);
+    worst = std::max(worst, std::isfinite(y[i]) ? err / tol : 1e30);
+  }
+  return worst;
+}
+
+double RelFrobenius(const std::vector<float>& y, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < y.size(); ++i) {
+    num += (y[i] - ref[i]) * (y[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+bool IsQuant(WeightFormat f) {
+  return f == WeightFormat::kQ4_0 || f == WeightFormat::kMxfp4 || f == WeightFormat::kNvfp4;
+}
+
+class CpuMoeTest : public ::testing::Test {
+ protected:
+  CpuMoeTest() : pool_(2) {}
+  common::ThreadPool pool_;
+};
+
+TEST_F(CpuMoeTest, TargetsAvailable) {
+  const std::vector<std::string> targets = AvailableTargets();
+  ASSERT_FALSE(targets.empty());
+  for (const std::string& t : targets) std::printf("compiled and supported target: %s\n", t.c_str());
+}
+
+// Every format x target x T x dedup x routing against the emulating reference; plain reference
+// once per (format, T, routing).
+TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
+  std::mt19937_64 rng(1234);
+  for (WeightFormat f : kFormats) {
+    const HostBank hb = MakeRandomBank(f, kE, kH, kI, 77 + static_cast<int>(f));
+    for (int T : {1, 2, 5, 16, 64}) {
+      for (bool skewed : {false, true}) {
+        const Routing r = MakeRouting(T, kE, kTopK, skewed, rng);
+        const std::vector<float> x = RandomX(T, kH, rng);
+        Options base;
+        std::vector<double> ref, scale, flip, plain, s2, f2;
+        ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, base, true, &ref, &scale, &flip);
+        ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, base, false, &plain, &s2, &f2);
+        for (const std::string& target : AvailableTargets()) {
+          for (bool dedup : {false, true}) {
+            Options o;
+            o.dedup = dedup;
+            o.max_target = target;
+            std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
+            ForwardStats st;
+            ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o,
+                                pool_, &st).ok());
+            const std::string what =
+                absl::StrCat(std::string(common::WeightFormatName(f)), " T=", T, " skewed=", skewed,
+                             " target=", target, " dedup=", dedup);
+            EXPECT_EQ(st.target, target) << what;
+            EXPECT_LE(WorstRatio(y, ref, scale, flip), 1.0) << what;
+            const double rel = RelFrobenius(y, plain);
+            EXPECT_LE(rel, IsQuant(f) ? 0.02 : 1e-5) << what;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Negative controls: the same check must fail for a wrong block scale and for a missed route.
+TEST_F(CpuMoeTest, BrokenVariantsFail) {
+  std::mt19937_64 rng(99);
+  const int T = 5;
+  for (WeightFormat f : kFormats) {
+    HostBank hb = MakeRandomBank(f, kE, kH, kI, 5 + static_cast<int>(f));
+    const Routing r = MakeRouting(T, kE, kTopK, false, rng);
+    const std::vector<float> x = RandomX(T, kH, rng);
+    Options o;
+    std::vector<double> ref, scale, flip;
+    ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, o, true, &ref, &scale, &flip);
+    std::vector<float> y(x.size());
+    ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_).ok());
+    EXPECT_LE(WorstRatio(y, ref, scale, flip), 1.0);
+
+    // Missed route: drop token 0's first route from the kernel's input.
+    Routing missed = r;
+    missed.ids[0] = -1;
+    ASSERT_TRUE(Forward(hb.bank, T, kTopK, missed.ids, missed.weights, x, absl::MakeSpan(y), o,
+                        pool_).ok());
+    EXPECT_GT(WorstRatio(y, ref, scale, flip), 10.0) << common::WeightFormatName(f);
+
+    // Wrong scale: double one block scale of the down matrix of expert ids[0] (first block of
+    // row 0, or its fp8 128x128 block; bf16 has no scale, so its first weight is doubled).
+    const int e = r.ids[0];
+    switch (f) {
+      case WeightFormat::kBf16: {
+        uint16_t* w = reinterpret_cast<uint16_t*>(hb.down_w.data()) + size_t{1} * e * kH * kI;
+        w[0] = common::FloatToBf16(2.0f * common::Bf16ToFloat(w[0]) + 0.05f);
+        break;
+      }
+      case WeightFormat::kFp8Block: {
+        float* s = reinterpret_cast<float*>(hb.down_s.data()) + e * 2 * 2;
+        s[0] *= 2.0f;
+        break;
+      }
+      case WeightFormat::kQ4_0: {
+        auto* b = reinterpret_cast<common::BlockQ4_0*>(hb.down_w.data()) + e * kH * kI / 32;
+        b[0].d = common::FloatToFp16(2.0f * common::Fp16ToFloat(b[0].d));
+        break;
+      }
+      case WeightFormat::kMxfp4:
+        hb.down_s[e * kH * kI / 32] += 1;
+        break;
+      case WeightFormat::kNvfp4:
+        hb.down_s[e * kH * kI / 16] += 8;  // e4m3 exponent + 1
+        break;
+    }
+    ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_).ok());
+    EXPECT_GT(WorstRatio(y, ref, scale, flip), 1.0) << common::WeightFormatName(f);
+  }
+}
+
+TEST_F(CpuMoeTest, PaddingIsInert) {
+  std::mt19937_64 rng(7);
+  const int T = 6;
+  for (WeightFormat f : kFormats) {
+    const HostBank hb = MakeRandomBank(f, kE, kH, kI, 11);
+    Routing r = MakeRouting(T, kE, kTopK, true, rng);
+    std::vector<float> x = RandomX(T, kH, rng);
+    // Token 2 is a padded row full of inf; token 4 has two padded slots.
+    for (int j = 0; j < kTopK; ++j) r.ids[2 * kTopK + j] = -1;
+    for (int i = 0; i < kH; ++i) x[2 * kH + i] = std::numeric_limits<float>::infinity();
+    r.ids[4 * kTopK + 1] = -1;
+    r.ids[4 * kTopK + 3] = -7;
+    for (bool dedup : {false, true}) {
+      Options o;
+      o.dedup = dedup;
+      std::vector<float> y(x.size(), 123.0f);
+      ForwardStats st;
+      ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_,
+                          &st).ok());
+      EXPECT_EQ(st.routes, T * kTopK - kTopK - 2);
+      for (int i = 0; i < kH; ++i) EXPECT_EQ(y[2 * kH + i], 123.0f);
+      for (size_t i = 0; i < y.size(); ++i) ASSERT_TRUE(std::isfinite(y[i])) << i;
+      // Real rows equal the result without the padded token.
+      Routing r2;
+      std::vector<float> x2;
+      for (int t = 0; t < T; ++t) {
+        if (t == 2) continue;
+        for (int j = 0; j < kTopK; ++j) {
+          r2.ids.push_back(r.ids[t * kTopK + j]);
+          r2.weights.push_back(r.weights[t * kTopK + j]);
+        }
+        x2.insert(x2.end(), x.begin() + t * kH, x.begin() + (t + 1) * kH);
+      }
+      std::vector<float> y2(x2.size());
+      ASSERT_TRUE(Forward(hb.bank, T - 1, kTopK, r2.ids, r2.weights, x2, absl::MakeSpan(y2), o,
+                          pool_).ok());
+      for (int t = 0, t2 = 0; t < T; ++t) {
+        if (t == 2) continue;
+        for (int i = 0; i < kH; ++i) {
+          EXPECT_NEAR(y[t * kH + i], y2[t2 * kH + i], 1e-5f * (1 + std::fabs(y2[t2 * kH + i])));
+        }
+        ++t2;
+      }
+    }
+  }
+}
+
+TEST_F(CpuMoeTest, DedupOnOffAgreeAndInertWithoutSharing) {
+  std::mt19937_64 rng(3);
+  for (WeightFormat f : kFormats) {
+    const HostBank hb = MakeRandomBank(f, kE, kH, kI, 21);
+    for (int T : {1, 16, 64}) {
+      const Routing r = MakeRouting(T, kE, kTopK, true, rng);
+      const std::vector<float> x = RandomX(T, kH, rng);
+      std::vector<float> y0(x.size()), y1(x.size());
+      Options off, on;
+      off.dedup = false;
+      ForwardStats s0, s1;
+      ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y0), off, pool_,
+                          &s0).ok());
+      ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y1), on, pool_,
+                          &s1).ok());
+      EXPECT_EQ(s0.unique_experts, s1.unique_experts);
+      if (T == 1) {
+        // All routes distinct: the same plain work split, bit for bit.
+        EXPECT_DOUBLE_EQ(s1.reuse, 1.0);
+        EXPECT_EQ(y0, y1);
+      } else {
+        EXPECT_GT(s1.reuse, 1.0);
+        for (size_t i = 0; i < y0.size(); ++i) {
+          EXPECT_NEAR(y0[i], y1[i], 1e-4f * (1 + std::fabs(y0[i]))) << i;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CpuMoeTest, Bf16IoSwigluOaiAndAccumulate) {
+  std::mt19937_64 rng(5);
+  const int T = 5;
+  const HostBank hb = MakeRandomBank(WeightFormat::kBf16, kE, kH, kI, 31);
+  const Routing r = MakeRouting(T, kE, kTopK, false, rng);
+  std::vector<float> x = RandomX(T, kH, rng);
+  for (float& v : x) v = common::Bf16ToFloat(common::FloatToBf16(3.0f * v));
+  Options o;
+  o.activation = Activation::kSwiGluOai;
+  o.swiglu_limit = 0.5f;  // small, so the clamps are exercised
+  std::vector<double> ref, scale, flip;
+  ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, o, true, &ref, &scale, &flip);
+  std::vector<uint16_t> xb(x.size()), yb(x.size());
+  for (size_t i = 0; i < x.size(); ++i) xb[i] = common::FloatToBf16(x[i]);
+  ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, xb.data(), DType::kBf16, yb.data(),
+                      DType::kBf16, o, pool_).ok());
+  for (size_t i = 0; i < x.size(); ++i) {
+    EXPECT_NEAR(common::Bf16ToFloat(yb[i]), ref[i], 1e-2 * std::fabs(ref[i]) + 1e-4 * scale[i]);
+  }
+  std::vector<float> y(x.size(), 1.0f);
+  o.accumulate = true;
+  ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_).ok());
+  for (size_t i = 0; i < x.size(); ++i) {
+    EXPECT_NEAR(y[i], 1.0 + ref[i], 2e-4 * scale[i] + 1e-6);
+  }
+}
+
+TEST_F(CpuMoeTest, BadInputIsAnError) {
+  const HostBank hb = MakeRandomBank(WeightFormat::kQ4_0, 4, 64, 32, 1, false);
+  std::vector<int32_t> ids = {0, 4};
+  std::vector<float> w = {0.5f, 0.5f}, x(64), y(64);
+  Options o;
+  EXPECT_EQ(Forward(hb.bank, 1, 2, ids, w, x, absl::MakeSpan(y), o, pool_).code(),
+            absl::StatusCode::kInvalidArgument);  // id >= E
+  ids = {0, 1};
+  EXPECT_EQ(Forward(hb.bank, 1, 3, ids, w, x, absl::MakeSpan(y), o, pool_).code(),
+            absl::StatusCode::kInvalidArgument);  // shape
+  std::vector<float> x_short(10);
+  EXPECT_EQ(Forward(hb.bank, 1, 2, ids, w, x_short, absl::MakeSpan(y), o, pool_).code(),
+            absl::StatusCode::kInvalidArgument);
+  o.max_target = "NOT_A_TARGET";
+  EXPECT_EQ(Forward(hb.bank, 1, 2, ids, w, x, absl::MakeSpan(y), o, pool_).code(),
+            absl::StatusCode::kInvalidArgument);
+  ExpertBank bad = hb.bank;
+  bad.hidden = 48;
+  EXPECT_EQ(Forward(bad, 1, 2, ids, w, x, absl::MakeSpan(y), Options(), pool_).code(),
+            absl::StatusCode::kInvalidArgument);
+  bad = hb.bank;
+  bad.format = WeightFormat::kMxfp4;  // needs scales, has none
+  EXPECT_EQ(Forward(bad, 1, 2, ids, w, x, absl::MakeSpan(y), Options(), pool_).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// The env switches are read each time options are built (seed 003's trap: a cached static made
+// both arms of an A/B the same).
+TEST_F(CpuMoeTest, EnvReadWhenOptionsAreBuilt) {
+  setenv("MOE_CPU_DEDUP", "0", 1);
+  setenv("MOE_CPU_MAX_TARGET", "SSE4", 1);
+  setenv("MOE_CPU_DEBUG", "1", 1);
+  Options a = Options::FromEnv();
+  EXPECT_FALSE(a.dedup);
+  EXPECT_TRUE(a.debug);
+  EXPECT_EQ(a.max_target, "SSE4");
+  setenv("MOE_CPU_DEDUP", "1", 1);
+  unsetenv("MOE_CPU_MAX_TARGET");
+  unsetenv("MOE_CPU_DEBUG");
+  Options b = Options::FromEnv();
+  EXPECT_TRUE(b.dedup);
+  EXPECT_FALSE(b.debug);
+  EXPECT_EQ(b.max_target, "");
+  unsetenv("MOE_CPU_DEDUP");
+  // And the cap takes effect.
+  const HostBank hb = MakeRandomBank(WeightFormat::kBf16, 4, 64, 32, 1, false);
+  std::vector<int32_t> ids = {0, 1};
+  std::vector<float> w = {0.5f, 0.5f}, x(64, 1.0f), y(64);
+  ForwardStats st;
+  a.debug = false;
+  ASSERT_TRUE(Forward(hb.bank, 1, 2, ids, w, x, absl::MakeSpan(y), a, pool_, &st).ok());
+  EXPECT_EQ(st.target, "SSE4");
+}
+
+}  // namespace
+}  // namespace moe::cpu_moe

@@ -1,0 +1,48 @@
+// Internal: the validated description of one Forward call that cpu_moe.cc hands to the per-target
+// code in cpu_moe-inl.h. Plain data; built and owned by Forward for the duration of one call.
+#ifndef MOE_CPU_MOE_INTERNAL_FORWARD_PLAN_H_
+#define MOE_CPU_MOE_INTERNAL_FORWARD_PLAN_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "common/thread_pool.h"
+#include "cpu_moe/cpu_moe.h"
+
+namespace moe::cpu_moe::internal {
+
+// Routes of one expert: routes[begin, end) of ForwardPlan::group_routes.
+struct ExpertGroup {
+  int expert;
+  int begin;
+  int end;
+};
+
+struct ForwardPlan {
+  const ExpertBank* bank;
+  const Options* options;
+  common::ThreadPool* pool;
+  int num_tokens;
+  int top_k;
+  const void* x;
+  DType x_dtype;
+  void* y;
+  DType y_dtype;
+
+  // Valid routes, in token order: route r is token route_token[r], weight route_weight[r].
+  std::vector<int> route_token;
+  std::vector<float> route_weight;
+  std::vector<int> route_expert;
+  // Work groups for pass 1 (and pass 2 when dedup is on): one per unique expert when deduping,
+  // else one per route (expert repeated). group_routes indexes routes.
+  std::vector<ExpertGroup> groups;
+  std::vector<int> group_routes;
+  // Per token: routes [token_route_begin[t], token_route_begin[t+1]) (plain pass 2).
+  std::vector<int> token_route_begin;
+  // Pass 2 split by H-block over all groups (dedup) or by (token, H-block) (plain).
+  bool dedup_pass2;
+};
+
+}  // namespace moe::cpu_moe::internal
+
+#endif  // MOE_CPU_MOE_INTERNAL_FORWARD_PLAN_H_

@@ -1,0 +1,53 @@
+// Test and benchmark helpers for cpu_moe (testonly): an expert bank that owns its storage, built
+// by quantizing random float weights with //common:formats, and the float64 scalar reference
+// forward that works from the dequantized weights.
+#ifndef MOE_CPU_MOE_TEST_BANK_H_
+#define MOE_CPU_MOE_TEST_BANK_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "cpu_moe/cpu_moe.h"
+
+namespace moe::cpu_moe::testing {
+
+// Owns the bytes `bank` points at. Not copyable (bank holds pointers into it); movable.
+struct HostBank {
+  ExpertBank bank;
+  std::vector<uint8_t> gate_up_w, gate_up_s, down_w, down_s;
+  std::vector<float> gate_up_g, down_g;
+  // Dequantized weights, [E, 2I, H] and [E, H, I] (only when requested).
+  std::vector<float> gate_up_f, down_f;
+
+  HostBank() = default;
+  HostBank(const HostBank&) = delete;
+  HostBank& operator=(const HostBank&) = delete;
+  HostBank(HostBank&&) = default;
+  HostBank& operator=(HostBank&&) = default;
+};
+
+// Random weights (gate_up ~ U(-a, a) with a = sqrt(3 / H), down likewise with I), quantized to
+// `format`; keeps the dequantized copies when `keep_float`.
+HostBank MakeRandomBank(common::WeightFormat format, int num_experts, int hidden,
+                        int intermediate, uint64_t seed, bool keep_float = true);
+
+// The activation quantization the kernels apply for quantized formats (int8 per 32-block,
+// scale amax / 127, round to nearest even), returning the dequantized values; `step` gets each
+// element's block scale.
+void EmulateActQuant(const float* x, size_t n, double* out, double* step);
+
+// float64 reference of Forward on bank.gate_up_f / down_f (must be kept).
+// emulate_act_quant: quantize x and h as the kernels do for quantized formats (so only
+// accumulation order separates kernel and reference). Fills y [T, H] (rows without routes 0),
+// abs_scale [T, H] = sum over routes |w| sum_i |D_ji h_i| (the magnitude the rounding acts on) and
+// flip [T, H] = sum over routes |w| max_i |D_ji| * step(h_i) (what one int8 rounding flip of h
+// can move the output by; 0 unless emulating).
+void ReferenceForward(const HostBank& hb, int num_tokens, int top_k,
+                      const std::vector<int32_t>& ids, const std::vector<float>& weights,
+                      const std::vector<float>& x, const Options& options,
+                      bool emulate_act_quant, std::vector<double>* y,
+                      std::vector<double>* abs_scale, std::vector<double>* flip);
+
+}  // namespace moe::cpu_moe::testing
+
+#endif  // MOE_CPU_MOE_TEST_BANK_H_
