@@ -1,0 +1,23 @@
+// Prints this machine's DRAM read bandwidth: membw_probe [GiB=1] [reps=7] [workers=physical cores]
+#include <cstdio>
+#include <cstdlib>
+
+#include "common/membw.h"
+#include "common/thread_pool.h"
+
+int main(int argc, char** argv) {
+  const double gib = argc > 1 ? std::atof(argv[1]) : 1.0;
+  const int reps = argc > 2 ? std::atoi(argv[2]) : 7;
+  const int workers = argc > 3 ? std::atoi(argv[3]) : moe::common::PhysicalCoreCount();
+  if (!(gib > 0) || reps < 1 || workers < 1) {
+    std::fprintf(stderr, "usage: membw_probe [GiB > 0] [reps >= 1] [workers >= 1]\n");
+    return 2;
+  }
+  moe::common::ThreadPool pool(workers);
+  const size_t bytes = static_cast<size_t>(gib * (1u << 30));
+  std::printf("last-level cache %.1f MiB; buffer %.2f GiB; %d workers; %d reps\n",
+              moe::common::LastLevelCacheBytes() / 1048576.0, gib, workers, reps);
+  std::printf("DRAM read: %.2f GB/s (median)\n",
+              moe::common::MeasureDramReadGBps(pool, bytes, reps));
+  return 0;
+}
