@@ -74,6 +74,12 @@ Cache:
   --max_swaps N           pinned_scored: pin replacements per adaptation (default 16)
   --margin X              pinned_scored: hysteresis, candidate heat > weakest*(1+X) (default 0.25)
 
+Scored-policy constants (for tuning; defaults in moe_cache/policy_core.h):
+  --freq_shift N          frequency EMA weight 2^-N per visit of the expert's layer (default 6)
+  --recent_bonus X        extra reuse probability of an expert used at its layer's last visit (0.25)
+  --recent_decay_shift N  the bonus is shifted right by N per visit missed since (default 3)
+  --min_p X               floor of the reuse probability estimate (default 1/256)
+
 Output:
   --json             one JSON object per (policy, slots) line with keys policy, slots, hit_rate,
                      misses_per_token, fetched_gb_per_token (plus gap_closed, tokens, pin_swaps)
@@ -185,6 +191,18 @@ absl::StatusOr<CacheSimOptions> ParseCacheSimArgs(const std::vector<std::string>
     } else if (name == "margin") {
       RETURN_IF_ERROR(ParseDouble(name, value, 0, 1e6, &x));
       o.sim.pinning.margin = x;
+    } else if (name == "freq_shift") {
+      RETURN_IF_ERROR(ParseInt(name, value, 1, 16, &n));
+      o.sim.scored.freq_shift = static_cast<uint32_t>(n);
+    } else if (name == "recent_bonus") {
+      RETURN_IF_ERROR(ParseDouble(name, value, 0, 1, &x));
+      o.sim.scored.recent_bonus_q16 = static_cast<uint32_t>(x * moe_cache::kFreqOne);
+    } else if (name == "recent_decay_shift") {
+      RETURN_IF_ERROR(ParseInt(name, value, 0, 31, &n));
+      o.sim.scored.recent_decay_shift = static_cast<uint32_t>(n);
+    } else if (name == "min_p") {
+      RETURN_IF_ERROR(ParseDouble(name, value, 1.0 / moe_cache::kFreqOne, 1, &x));
+      o.sim.scored.min_p_q16 = static_cast<uint32_t>(x * moe_cache::kFreqOne);
     } else {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, " (see --help)"));
     }
