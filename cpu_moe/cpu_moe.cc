@@ -9,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status.h"
@@ -141,10 +140,6 @@ Options Options::FromEnv() {
   EnvFlag("MOE_CPU_DEDUP", &o.dedup);
   EnvFlag("MOE_CPU_DEBUG", &o.debug);
   if (const char* t = std::getenv("MOE_CPU_MAX_TARGET"); t != nullptr) o.max_target = t;
-  if (const char* m = std::getenv("MOE_CPU_ONEDNN_MIN_TOKENS"); m != nullptr) {
-    int v = 0;
-    if (absl::SimpleAtoi(m, &v) && v >= 0) o.onednn_min_tokens_per_expert = v;
-  }
   return o;
 }
 
@@ -233,7 +228,6 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
     stats->unique_experts = unique;
     stats->reuse = unique > 0 ? static_cast<double>(num_routes) / unique : 0.0;
     stats->target = target_name;
-    stats->onednn_experts = 0;
   }
   if (options.debug) {
     std::fprintf(stderr, "cpu_moe: T=%d routes=%d unique_experts=%d reuse=%.3f dedup=%d target=%s\n",

@@ -83,13 +83,10 @@ struct Options {
   std::string max_target;
   // y += result instead of y = result (for adding CPU-computed misses into other outputs).
   bool accumulate = false;
-  // Tokens per expert (routes of one expert in one call) from which that expert's GEMMs go
-  // through oneDNN instead of the GEMV kernels. 0 disables oneDNN. Only bf16 banks use it.
-  int onednn_min_tokens_per_expert = 0;
 
   // Options with the environment's switches applied, read now (never cached):
   //   MOE_CPU_DEDUP=0 turns dedup off, MOE_CPU_DEBUG=1 turns debug on,
-  //   MOE_CPU_MAX_TARGET=<name> caps the target, MOE_CPU_ONEDNN_MIN_TOKENS=<n>.
+  //   MOE_CPU_MAX_TARGET=<name> caps the target.
   static Options FromEnv();
 };
 
@@ -99,7 +96,6 @@ struct ForwardStats {
   int unique_experts = 0;  // distinct experts among them
   double reuse = 0.0;      // routes / unique_experts (0 when there are no routes)
   std::string target;      // Highway target that ran
-  int onednn_experts = 0;  // experts computed through oneDNN
 };
 
 // y[T, H] = the routed MoE output for x[T, H].
