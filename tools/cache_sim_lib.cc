@@ -67,6 +67,9 @@ Cache:
   --slots N[,N...]        slot counts (one pool shared by all layers)
   --slots_frac F[,F...]   slot counts as fractions of layers*experts (e.g. 0.1,0.25)
                           (default when neither is given: 0.1,0.25)
+  --gpu_expert_budget_gb G[,G...]
+                          slot counts from GPU memory budgets: floor(G * 1e9 / bytes_per_expert),
+                          as the engine's --gpu-expert-budget-gb sizes its slot pool
   --bytes_per_expert B    bytes fetched per miss (default 9.44e6, Qwen3-30B-A3B bf16)
   --policies P[,P...]     subset of lru,lfu,scored,pinned_scored,belady (default: all)
   --adapt_every N         pinned_scored: steps between pin adaptations (default 16)
@@ -169,6 +172,11 @@ absl::StatusOr<CacheSimOptions> ParseCacheSimArgs(const std::vector<std::string>
         RETURN_IF_ERROR(ParseDouble(name, part, 1e-9, 1, &x));
         o.slots_frac.push_back(x);
       }
+    } else if (name == "gpu_expert_budget_gb") {
+      for (absl::string_view part : absl::StrSplit(value, ',')) {
+        RETURN_IF_ERROR(ParseDouble(name, part, 1e-9, 1e9, &x));
+        o.budget_gb.push_back(x);
+      }
     } else if (name == "bytes_per_expert") {
       RETURN_IF_ERROR(ParseDouble(name, value, 0, 1e15, &x));
       o.sim.bytes_per_expert = x;
@@ -220,7 +228,7 @@ absl::StatusOr<CacheSimOptions> ParseCacheSimArgs(const std::vector<std::string>
     return absl::InvalidArgumentError(absl::StrFormat(
         "--topk %d exceeds --experts %d (see --help)", o.synth.k, o.synth.experts));
   }
-  if (o.slots.empty() && o.slots_frac.empty()) o.slots_frac = {0.1, 0.25};
+  if (o.slots.empty() && o.slots_frac.empty() && o.budget_gb.empty()) o.slots_frac = {0.1, 0.25};
   o.sim.experts = o.experts;
   return o;
 }
@@ -244,6 +252,14 @@ absl::Status RunCacheSim(const CacheSimOptions& o, std::ostream& out) {
   std::vector<int32_t> slots = o.slots;
   for (double f : o.slots_frac) {
     slots.push_back(static_cast<int32_t>(std::max<int64_t>(1, std::llround(std::floor(f * total)))));
+  }
+  for (double gb : o.budget_gb) {
+    const double n = std::floor(gb * 1e9 / o.sim.bytes_per_expert);
+    if (n < 1) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--gpu_expert_budget_gb %g holds no expert of %g bytes", gb, o.sim.bytes_per_expert));
+    }
+    slots.push_back(static_cast<int32_t>(std::min<double>(n, static_cast<double>(total))));
   }
   if (!o.json) {
     out << absl::StrFormat("trace: %d tokens x %d layers x top-%d, %d experts/layer (%d in all)\n",

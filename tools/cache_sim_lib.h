@@ -27,6 +27,7 @@ struct CacheSimOptions {
   std::string write_trace;      // --write_trace: save the replayed trace as .npy
   std::vector<int32_t> slots;   // --slots
   std::vector<double> slots_frac;  // --slots_frac (of layers * experts)
+  std::vector<double> budget_gb;   // --gpu_expert_budget_gb (slots = budget / bytes_per_expert)
   int32_t experts = 128;        // --experts (also the id range checked for --trace)
   std::vector<moe_cache::SimPolicy> policies = moe_cache::AllSimPolicies();
   moe_cache::SimOptions sim;

@@ -65,6 +65,22 @@ TEST(CacheSimTest, TableAndMissingTrace) {
   EXPECT_NE(s.message().find("/nonexistent/trace.npy"), absl::string_view::npos);
 }
 
+TEST(CacheSimTest, GpuBudgetSetsTheSlotCount) {
+  // 1 GB at 100 MB per expert is 10 slots; 0.05 GB holds none.
+  auto o = ParseCacheSimArgs({"--synthetic", "--layers=4", "--experts=16", "--topk=2",
+                              "--tokens=20", "--bytes_per_expert=1e8",
+                              "--gpu_expert_budget_gb=1", "--json", "--policies=lru"});
+  ASSERT_TRUE(o.ok()) << o.status();
+  std::ostringstream out;
+  ASSERT_TRUE(RunCacheSim(*o, out).ok());
+  EXPECT_EQ(nlohmann::json::parse(out.str())["slots"], 10);
+  o = ParseCacheSimArgs({"--synthetic", "--bytes_per_expert=1e8", "--gpu_expert_budget_gb=0.05"});
+  ASSERT_TRUE(o.ok());
+  absl::Status s = RunCacheSim(*o, out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("holds no expert"), absl::string_view::npos) << s;
+}
+
 }  // namespace
 }  // namespace tools
 }  // namespace moe

@@ -185,6 +185,84 @@ TEST(EnsureKernelTest, LfuSmallPoolMatchesCpuMirror) {
   RunMirror({kPolicyLfu, 4, 64, 8, 12, 4, 2000, true});
 }
 
+TEST(EnsureKernelTest, CapturedGraphReplaysLikeTheMirror) {
+  MOE_SKIP_WITHOUT_GPU();
+  // One decode step of all layers captured once (ids live in a fixed device buffer), replayed
+  // with fresh routing each step: the kernel must read the ids and state at replay time.
+  constexpr int kLayers = 8, kExperts = 64, kTopK = 8, kSlots = 96, kSteps = 300;
+  CacheConfig config{kLayers, kExperts, kSlots, DefaultPolicyParams(kPolicyScored)};
+  auto cpu_or = CpuExpertCache::Create(config);
+  ASSERT_TRUE(cpu_or.ok());
+  CpuExpertCache cpu = std::move(*cpu_or);
+  auto dev_or = DeviceCacheState::Create(kLayers, kExperts, kSlots, config.params);
+  ASSERT_TRUE(dev_or.ok()) << dev_or.status();
+  int32_t *d_ids, *d_slots, *d_count;
+  MissPlanEntry* d_plan;
+  ASSERT_EQ(cudaMalloc(&d_ids, sizeof(int32_t) * kTopK * kLayers), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_slots, sizeof(int32_t) * kTopK * kLayers), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_count, sizeof(int32_t) * kLayers), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_plan, sizeof(MissPlanEntry) * kTopK * kLayers), cudaSuccess);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  for (int layer = 0; layer < kLayers; ++layer) {
+    ASSERT_TRUE(LaunchEnsureExperts((*dev_or)->view(), layer, d_ids + layer * kTopK, kTopK,
+                                    d_slots + layer * kTopK, d_count + layer,
+                                    d_plan + layer * kTopK, stream)
+                    .ok());
+  }
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
+  Router router(kLayers, kExperts, kTopK, 77);
+  std::vector<int32_t> slots(kTopK * kLayers), counts(kLayers);
+  std::vector<MissPlanEntry> plans(kTopK * kLayers);
+  for (int step = 0; step < kSteps; ++step) {
+    std::vector<int32_t> ids;
+    std::vector<EnsureResult> expected;
+    for (int layer = 0; layer < kLayers; ++layer) {
+      std::vector<int32_t> layer_ids = router.Route(layer, 1, 1);
+      auto r = cpu.Ensure(layer, layer_ids, 1, kTopK);
+      ASSERT_TRUE(r.ok());
+      expected.push_back(*r);
+      ids.insert(ids.end(), layer_ids.begin(), layer_ids.end());
+    }
+    ASSERT_EQ(cudaMemcpyAsync(d_ids, ids.data(), sizeof(int32_t) * ids.size(),
+                              cudaMemcpyHostToDevice, stream),
+              cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(slots.data(), d_slots, sizeof(int32_t) * slots.size(),
+                              cudaMemcpyDeviceToHost, stream),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(counts.data(), d_count, sizeof(int32_t) * kLayers,
+                              cudaMemcpyDeviceToHost, stream),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(plans.data(), d_plan, sizeof(MissPlanEntry) * plans.size(),
+                              cudaMemcpyDeviceToHost, stream),
+              cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    for (int layer = 0; layer < kLayers; ++layer) {
+      ASSERT_TRUE(std::equal(expected[layer].slots.begin(), expected[layer].slots.end(),
+                             slots.begin() + layer * kTopK))
+          << "step " << step << " layer " << layer;
+      ASSERT_EQ(counts[layer], static_cast<int32_t>(expected[layer].plan.size()));
+      for (size_t m = 0; m < expected[layer].plan.size(); ++m) {
+        ASSERT_EQ(plans[layer * kTopK + m].expert, expected[layer].plan[m].expert);
+        ASSERT_EQ(plans[layer * kTopK + m].slot, expected[layer].plan[m].slot);
+      }
+    }
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  cudaFree(d_ids);
+  cudaFree(d_slots);
+  cudaFree(d_count);
+  cudaFree(d_plan);
+}
+
 #else
 TEST(EnsureKernelTest, BuiltWithoutCuda) { GTEST_SKIP() << "built without CUDA"; }
 #endif  // MOE_HAVE_CUDA
