@@ -198,41 +198,47 @@ DeviceCacheState::~DeviceCacheState() {
   if (block_ != nullptr) cudaFree(block_);
 }
 
-absl::Status DeviceCacheState::Upload(const CacheStateView& h) {
-  const uint64_t experts = static_cast<uint64_t>(view_.num_layers) * view_.num_experts;
-  if (h.num_layers != view_.num_layers || h.num_experts != view_.num_experts ||
-      h.num_slots != view_.num_slots) {
-    return absl::InvalidArgumentError("DeviceCacheState::Upload: shape mismatch");
+namespace {
+
+// The arrays of a cache state as (device, host, bytes) triples, for copies in either direction.
+struct ArrayPair {
+  void* device;
+  void* host;
+  uint64_t bytes;
+};
+
+absl::Status CopyState(const CacheStateView& dev, const CacheStateView& host, cudaMemcpyKind kind) {
+  if (host.num_layers != dev.num_layers || host.num_experts != dev.num_experts ||
+      host.num_slots != dev.num_slots) {
+    return absl::InvalidArgumentError("DeviceCacheState: host view has another shape");
   }
-  const uint64_t S = view_.num_slots;
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(view_.slot_of, h.slot_of, experts * 4, cudaMemcpyHostToDevice));
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(view_.expert_of_slot, h.expert_of_slot, S * 4, cudaMemcpyHostToDevice));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(view_.last_use, h.last_use, S * 4, cudaMemcpyHostToDevice));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(view_.freq, h.freq, experts * 4, cudaMemcpyHostToDevice));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(view_.pinned, h.pinned, experts, cudaMemcpyHostToDevice));
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(view_.call_counter, h.call_counter, 4, cudaMemcpyHostToDevice));
+  const uint64_t experts = static_cast<uint64_t>(dev.num_layers) * dev.num_experts;
+  const uint64_t slots = dev.num_slots;
+  const ArrayPair arrays[] = {
+      {dev.slot_of, host.slot_of, experts * 4},
+      {dev.expert_of_slot, host.expert_of_slot, slots * 4},
+      {dev.last_use, host.last_use, slots * 4},
+      {dev.freq, host.freq, experts * 4},
+      {dev.pinned, host.pinned, experts},
+      {dev.call_counter, host.call_counter, 4},
+  };
+  for (const ArrayPair& a : arrays) {
+    const bool up = kind == cudaMemcpyHostToDevice;
+    CUDA_RETURN_IF_ERROR(cudaMemcpy(up ? a.device : a.host, up ? a.host : a.device, a.bytes, kind));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status DeviceCacheState::Upload(const CacheStateView& h) {
+  RETURN_IF_ERROR(CopyState(view_, h, cudaMemcpyHostToDevice));
   view_.params = h.params;
   return absl::OkStatus();
 }
 
 absl::Status DeviceCacheState::Download(const CacheStateView& h) const {
-  const uint64_t experts = static_cast<uint64_t>(view_.num_layers) * view_.num_experts;
-  if (h.num_layers != view_.num_layers || h.num_experts != view_.num_experts ||
-      h.num_slots != view_.num_slots) {
-    return absl::InvalidArgumentError("DeviceCacheState::Download: shape mismatch");
-  }
-  const uint64_t S = view_.num_slots;
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(h.slot_of, view_.slot_of, experts * 4, cudaMemcpyDeviceToHost));
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(h.expert_of_slot, view_.expert_of_slot, S * 4, cudaMemcpyDeviceToHost));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(h.last_use, view_.last_use, S * 4, cudaMemcpyDeviceToHost));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(h.freq, view_.freq, experts * 4, cudaMemcpyDeviceToHost));
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(h.pinned, view_.pinned, experts, cudaMemcpyDeviceToHost));
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(h.call_counter, view_.call_counter, 4, cudaMemcpyDeviceToHost));
-  return absl::OkStatus();
+  return CopyState(view_, h, cudaMemcpyDeviceToHost);
 }
 
 absl::Status DeviceCacheState::UploadPinned(const uint8_t* pinned) {
