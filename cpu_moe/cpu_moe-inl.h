@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "common/aligned_buffer.h"
@@ -228,6 +229,12 @@ HWY_INLINE hn::Vec<D32> DotAcc(D32 d32, hn::Vec<D32> acc, VU u, VI x) {
 alignas(16) static constexpr uint8_t kFp4Lut[16] = {12, 13, 14, 15, 16, 18, 20, 24,
                                                     12, 11, 10, 9,  8,  6,  4,  0};
 
+// Bytes ahead of the current position that the row kernels prefetch in the weight stream. Rows of
+// a work item are contiguous, so the prefetch runs on into the next row; the hardware prefetcher
+// alone stalls at every 4 KiB page, and one core needs about 1-2 KiB in flight to approach its
+// share of DRAM bandwidth.
+constexpr size_t kPrefetchBytes = 1024;
+
 // Loads the packed nibble bytes [b, b + Lanes(d8)) of a quantized row ("byte b" as in ActView).
 template <common::WeightFormat F, class D8>
 HWY_INLINE hn::Vec<D8> LoadPacked(D8 d8, const uint8_t* HWY_RESTRICT packed,
@@ -261,41 +268,163 @@ HWY_INLINE hn::Vec<D8> LoadPacked(D8 d8, const uint8_t* HWY_RESTRICT packed,
   }
 }
 
-// Per-lane weight scales of one quantized row (lane j of the int32 dot products, see ActView),
-// including the 1/2 of the fp4 table.
+// One quantized row: its packed bytes and scales, and the factor applied to the row's sum.
+// Lane scales (see QuantChunk) are the block scales as stored (q4_0 d, ue8m0 2^(e-127), e4m3
+// value); `post` carries the rest (the fp4 table's 1/2, nvfp4's global scale).
+struct QuantRow {
+  const uint8_t* packed;    // mxfp4/nvfp4
+  const BlockQ4_0* blocks;  // q4_0
+  const uint8_t* scales;    // mxfp4/nvfp4: this row's scale bytes
+  float post;
+};
+
 template <common::WeightFormat F>
-HWY_INLINE void RowLaneScales(const MatrixRef& m, size_t e, size_t r, float* HWY_RESTRICT wsl) {
+HWY_INLINE QuantRow MakeQuantRow(const MatrixRef& m, size_t e, size_t r) {
   const size_t k = m.cols;
   const size_t row = e * m.rows + r;
+  QuantRow q{};
   if constexpr (F == common::WeightFormat::kQ4_0) {
-    const BlockQ4_0* blk = static_cast<const BlockQ4_0*>(m.weights) + row * (k / 32);
-    for (size_t b = 0; b < k / 32; ++b) {
-      const float d = common::Fp16ToFloat(blk[b].d);
-      for (int l = 0; l < 4; ++l) wsl[4 * b + l] = d;
-    }
+    q.blocks = static_cast<const BlockQ4_0*>(m.weights) + row * (k / 32);
+    q.post = 1.0f;
   } else if constexpr (F == common::WeightFormat::kMxfp4) {
-    const uint8_t* sc = static_cast<const uint8_t*>(m.scales) + row * (k / 32);
-    for (size_t b = 0; b < k / 32; ++b) {
-      const float d = 0.5f * common::Ue8m0ToFloat(sc[b]);
-      for (int l = 0; l < 4; ++l) wsl[4 * b + l] = d;
-    }
+    q.packed = static_cast<const uint8_t*>(m.weights) + row * (k / 2);
+    q.scales = static_cast<const uint8_t*>(m.scales) + row * (k / 32);
+    q.post = 0.5f;
   } else {
-    const uint8_t* sc = static_cast<const uint8_t*>(m.scales) + row * (k / 16);
-    const float g = 0.5f * m.globals[e];
-    for (size_t b = 0; b < k / 16; ++b) {
-      const float d = common::Fp8E4M3ToFloat(sc[b]) * g;
-      wsl[2 * b] = d;
-      wsl[2 * b + 1] = d;
-    }
+    q.packed = static_cast<const uint8_t*>(m.weights) + row * (k / 2);
+    q.scales = static_cast<const uint8_t*>(m.scales) + row * (k / 16);
+    q.post = 0.5f * m.globals[e];
+  }
+  return q;
+}
+
+// Address of packed byte b of the row in memory (for prefetching).
+template <common::WeightFormat F>
+HWY_INLINE const uint8_t* PackedAddr(const QuantRow& q, size_t b) {
+  if constexpr (F == common::WeightFormat::kQ4_0) {
+    return reinterpret_cast<const uint8_t*>(q.blocks) + b / 16 * sizeof(BlockQ4_0);
+  } else {
+    return q.packed + b;
   }
 }
 
+#if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3
+// Index tables of the 512-bit chunk loads (see QuantChunk).
+// q4_0: fp16 d of blocks 0..3 of a 72-byte chunk are 16-bit words 0, 9, 18, 27 of its first 64
+// bytes; each goes to 4 lanes.
+alignas(64) static constexpr uint16_t kQ4IdxD[32] = {0,  0,  0,  0,  9,  9,  9,  9,  18, 18, 18,
+                                                     18, 27, 27, 27, 27, 0,  0,  0,  0,  0,  0,
+                                                     0,  0,  0,  0,  0,  0,  0,  0,  0,  0};
+// q4_0 qs of blocks 0..3: chunk bytes 18q + 2 + m; blocks 0..2 from A (chunk[0, 64)), block 3
+// from B (chunk[8, 72)) at 48 + m, which vpermt2b addresses as 64 + 48 + m.
+struct Q4IdxQ {
+  alignas(64) uint8_t v[64];
+  constexpr Q4IdxQ() : v() {
+    for (int q = 0; q < 4; ++q) {
+      for (int m = 0; m < 16; ++m) {
+        v[16 * q + m] = static_cast<uint8_t>(q < 3 ? 18 * q + 2 + m : 112 + m);
+      }
+    }
+  }
+};
+alignas(64) static constexpr Q4IdxQ kQ4IdxQ{};
+// mxfp4: scale byte q (of 4) to the low byte of each u32 of 128-bit lane q; nvfp4: scale byte
+// 2q + i/2 (of 8) to u32 i of 128-bit lane q. pshufb indexes within a 128-bit lane, so the 4 / 8
+// scale bytes are broadcast to every lane first.
+struct ScaleIdx {
+  alignas(64) uint8_t mx[64];
+  alignas(64) uint8_t nv[64];
+  constexpr ScaleIdx() : mx(), nv() {
+    for (int q = 0; q < 4; ++q) {
+      for (int i = 0; i < 4; ++i) {
+        for (int c = 0; c < 4; ++c) {
+          mx[16 * q + 4 * i + c] = c == 0 ? static_cast<uint8_t>(q) : 0x80;
+          nv[16 * q + 4 * i + c] = c == 0 ? static_cast<uint8_t>(2 * q + i / 2) : 0x80;
+        }
+      }
+    }
+  }
+};
+alignas(64) static constexpr ScaleIdx kScaleIdx{};
+#endif
+
+// Packed bytes [b, b + Lanes(d8)) of a quantized row and their per-lane scales (lane j of the
+// int32 dot products covers bytes [b + 4j, b + 4j + 4)).
+template <common::WeightFormat F, class D8, class DF>
+HWY_INLINE void QuantChunk(D8 d8, DF df, const QuantRow& q, size_t b, hn::Vec<D8>& raw,
+                           hn::Vec<DF>& ws) {
+#if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3
+  if constexpr (hn::MaxLanes(D8()) == 64) {
+    if constexpr (F == common::WeightFormat::kQ4_0) {
+      const uint8_t* p = reinterpret_cast<const uint8_t*>(q.blocks + b / 16);
+      const __m512i a = _mm512_loadu_si512(p);
+      const __m512i dw =
+          _mm512_permutexvar_epi16(_mm512_load_si512(reinterpret_cast<const void*>(kQ4IdxD)), a);
+      ws = hn::Vec<DF>{_mm512_cvtph_ps(_mm512_castsi512_si256(dw))};
+#if HWY_TARGET == HWY_AVX3_DL
+      const __m512i bq = _mm512_loadu_si512(p + 8);
+      raw = hn::Vec<D8>{_mm512_permutex2var_epi8(
+          a, _mm512_load_si512(reinterpret_cast<const void*>(kQ4IdxQ.v)), bq)};
+#else
+      raw = LoadPacked<F>(d8, q.packed, q.blocks, b);
+#endif
+    } else if constexpr (F == common::WeightFormat::kMxfp4) {
+      uint32_t s4;
+      std::memcpy(&s4, q.scales + b / 16, 4);
+      const __m512i e = _mm512_shuffle_epi8(
+          _mm512_set1_epi32(static_cast<int>(s4)),
+          _mm512_load_si512(reinterpret_cast<const void*>(kScaleIdx.mx)));
+      __m512i bits = _mm512_slli_epi32(e, 23);
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
+                                   _mm512_set1_epi32(0x00400000));
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(0xFF)),
+                                   _mm512_set1_epi32(0x7FC00000));
+      ws = hn::Vec<DF>{_mm512_castsi512_ps(bits)};
+      raw = hn::LoadU(d8, q.packed + b);
+    } else {
+      uint64_t s8;
+      std::memcpy(&s8, q.scales + b / 8, 8);
+      const __m512i s = _mm512_shuffle_epi8(
+          _mm512_set1_epi64(static_cast<long long>(s8)),
+          _mm512_load_si512(reinterpret_cast<const void*>(kScaleIdx.nv)));
+      // e4m3 -> f32: exponent and mantissa moved to the f32 fields give value * 2^-120 (e4m3
+      // subnormals land on f32 subnormals, exactly); 0x7F / 0xFF are NaN.
+      const __m512i mag = _mm512_and_si512(s, _mm512_set1_epi32(0x7F));
+      const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(mag, 20),
+                                           _mm512_slli_epi32(_mm512_and_si512(s, _mm512_set1_epi32(0x80)), 24));
+      __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+      v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)),
+                             _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+      ws = hn::Vec<DF>{v};
+      raw = hn::LoadU(d8, q.packed + b);
+    }
+    return;
+  }
+#endif
+  raw = LoadPacked<F>(d8, q.packed, q.blocks, b);
+  // Generic: one conversion per block present in the chunk, spread over its lanes.
+  constexpr size_t kLanes = hn::MaxLanes(DF());
+  HWY_ALIGN float tmp[kLanes];
+  const size_t lanes = hn::Lanes(df);
+  constexpr size_t kLanesPerBlock = F == common::WeightFormat::kNvfp4 ? 2 : 4;
+  for (size_t j = 0; j < lanes; j += kLanesPerBlock) {
+    float v;
+    if constexpr (F == common::WeightFormat::kQ4_0) {
+      v = common::Fp16ToFloat(q.blocks[(b + 4 * j) / 16].d);
+    } else if constexpr (F == common::WeightFormat::kMxfp4) {
+      v = common::Ue8m0ToFloat(q.scales[(b + 4 * j) / 16]);
+    } else {
+      v = common::Fp8E4M3ToFloat(q.scales[(b + 4 * j) / 8]);
+    }
+    for (size_t l = 0; l < kLanesPerBlock && j + l < lanes; ++l) tmp[j + l] = v;
+  }
+  ws = hn::Load(df, tmp);
+}
+
 // Quantized row x NT activations over packed bytes [b, nbytes) at the width of d8; returns the
-// first byte not done. Adds into sums[NT].
+// first byte not done. Adds into sums[NT] (before the row's post factor).
 template <common::WeightFormat F, int NT, class D8>
-HWY_INLINE size_t QuantDotLevel(D8 d8, const uint8_t* HWY_RESTRICT packed,
-                                const BlockQ4_0* HWY_RESTRICT blocks,
-                                const float* HWY_RESTRICT wsl, const ActView* acts, size_t b,
+HWY_INLINE size_t QuantDotLevel(D8 d8, const QuantRow& q, const ActView* acts, size_t b,
                                 size_t nbytes, float* HWY_RESTRICT sums) {
   const size_t n = hn::Lanes(d8);
   if (b + n > nbytes) return b;
@@ -307,14 +436,21 @@ HWY_INLINE size_t QuantDotLevel(D8 d8, const uint8_t* HWY_RESTRICT packed,
   hn::Vec<decltype(df)> acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = hn::Zero(df);
   for (; b + n <= nbytes; b += n) {
-    const auto raw = LoadPacked<F>(d8, packed, blocks, b);
+    if constexpr (hn::MaxLanes(D8()) >= 32) {
+      hwy::Prefetch(PackedAddr<F>(q, b) + kPrefetchBytes);
+      if constexpr (F != common::WeightFormat::kQ4_0) {
+        hwy::Prefetch(q.scales + (b + kPrefetchBytes) / (F == common::WeightFormat::kNvfp4 ? 8 : 16));
+      }
+    }
+    hn::Vec<D8> raw;
+    hn::Vec<decltype(df)> ws;
+    QuantChunk<F>(d8, df, q, b, raw, ws);
     auto lo = hn::And(raw, mask);
     auto hi = hn::And(hn::ShiftRight<4>(raw), mask);
     if constexpr (F != common::WeightFormat::kQ4_0) {
       lo = hn::TableLookupBytes(lut, lo);
       hi = hn::TableLookupBytes(lut, hi);
     }
-    const auto ws = hn::LoadU(df, wsl + b / 4);
     for (int t = 0; t < NT; ++t) {
       auto s = hn::LoadU(di32, acts[t].neg + b / 4);
       s = DotAcc(di32, s, lo, hn::LoadU(di8, acts[t].lo + b));
@@ -328,12 +464,11 @@ HWY_INLINE size_t QuantDotLevel(D8 d8, const uint8_t* HWY_RESTRICT packed,
 }
 
 template <common::WeightFormat F, int NT, class D8>
-HWY_INLINE void QuantDotAll(D8 d8, const uint8_t* packed, const BlockQ4_0* blocks,
-                            const float* wsl, const ActView* acts, size_t b, size_t nbytes,
-                            float* sums) {
-  b = QuantDotLevel<F, NT>(d8, packed, blocks, wsl, acts, b, nbytes, sums);
+HWY_INLINE void QuantDotAll(D8 d8, const QuantRow& q, const ActView* acts, size_t b,
+                            size_t nbytes, float* sums) {
+  b = QuantDotLevel<F, NT>(d8, q, acts, b, nbytes, sums);
   if constexpr (hn::MaxLanes(D8()) > 16) {
-    if (b < nbytes) QuantDotAll<F, NT>(hn::Half<D8>(), packed, blocks, wsl, acts, b, nbytes, sums);
+    if (b < nbytes) QuantDotAll<F, NT>(hn::Half<D8>(), q, acts, b, nbytes, sums);
   }
 }
 
@@ -414,15 +549,11 @@ HWY_INLINE void DotRowN(const MatrixRef& m, size_t e, size_t r, const ActView* a
   const size_t k = m.cols;
   const size_t row = e * m.rows + r;
   if constexpr (IsQuant<F>()) {
-    if (!wsl_ready) RowLaneScales<F>(m, e, r, scratch.wsl);
-    const hn::ScalableTag<uint8_t> d8;
-    if constexpr (F == common::WeightFormat::kQ4_0) {
-      const BlockQ4_0* blocks = static_cast<const BlockQ4_0*>(m.weights) + row * (k / 32);
-      QuantDotAll<F, NT>(d8, nullptr, blocks, scratch.wsl, acts, 0, k / 2, sums);
-    } else {
-      const uint8_t* packed = static_cast<const uint8_t*>(m.weights) + row * (k / 2);
-      QuantDotAll<F, NT>(d8, packed, nullptr, scratch.wsl, acts, 0, k / 2, sums);
-    }
+    (void)scratch;
+    (void)wsl_ready;
+    const QuantRow q = MakeQuantRow<F>(m, e, r);
+    QuantDotAll<F, NT>(hn::ScalableTag<uint8_t>(), q, acts, 0, k / 2, sums);
+    for (int t = 0; t < NT; ++t) sums[t] *= q.post;
   } else if constexpr (F == common::WeightFormat::kBf16) {
     const uint16_t* w = static_cast<const uint16_t*>(m.weights) + row * k;
     Bf16DotAll<NT>(hn::ScalableTag<float>(), w, acts, 0, k / 2, sums);

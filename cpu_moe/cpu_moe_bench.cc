@@ -181,7 +181,53 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
   state.SetLabel(absl::StrCat("threads=", Pool().num_workers()));
 }
 
+// Cache-hot kernel throughput (not a DRAM figure): one bank of 8 experts (all routed by every
+// token), reused every step, so the weights come from L2/L3. gbps_hot = weight bytes per step /
+// time. Run with --threads=1 to see one core's decode + dot rate, which must exceed the per-core
+// DRAM share of the target machine for the DRAM cases to be memory-bound.
+void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int T) {
+  constexpr int kE = 8;
+  static std::unique_ptr<testing::HostBank> hb;
+  static WeightFormat hb_format;
+  if (!hb || hb_format != format) {
+    hb = std::make_unique<testing::HostBank>(testing::MakeRandomBank(format, kE, kH, kI, 7, false));
+    hb_format = format;
+  }
+  std::vector<int32_t> ids;
+  for (int t = 0; t < T; ++t) {
+    for (int j = 0; j < kTopK; ++j) ids.push_back((j + t) % kE);
+  }
+  std::vector<float> w(T * kTopK, 1.0f / kTopK);
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(T) * kH), y(x.size());
+  for (float& v : x) v = nd(rng);
+  Options opt = Options::FromEnv();
+  opt.debug = false;
+  for (auto _ : state) {
+    const absl::Status st = Forward(hb->bank, T, kTopK, ids, w, x, absl::MakeSpan(y), opt, Pool());
+    if (!st.ok()) {
+      state.SkipWithError(st.ToString().c_str());
+      return;
+    }
+  }
+  state.counters["gbps_hot"] = benchmark::Counter(
+      static_cast<double>(hb->bank.BytesPerExpert()) * kE * 1e-9 * state.iterations(),
+      benchmark::Counter::kIsRate);
+}
+
 void RegisterAll() {
+  for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kQ4_0,
+                         WeightFormat::kNvfp4, WeightFormat::kMxfp4}) {
+    for (int T : {1, 4}) {
+      const std::string name =
+          absl::StrCat("BM_CpuMoeHot/", std::string(common::WeightFormatName(f)), "/", T);
+      benchmark::RegisterBenchmark(name.c_str(), BM_CpuMoeHot, f, T)
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond)
+          ->MinTime(0.3);
+    }
+  }
   const WeightFormat formats[] = {WeightFormat::kBf16, WeightFormat::kFp8Block,
                                   WeightFormat::kQ4_0, WeightFormat::kNvfp4,
                                   WeightFormat::kMxfp4};
