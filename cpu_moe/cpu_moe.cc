@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status.h"
 #include "cpu_moe/internal/forward_plan.h"
+#include "cpu_moe/onednn_experts.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_moe/cpu_moe.cc"
@@ -118,6 +119,117 @@ absl::Status ValidateBank(const ExpertBank& b) {
   return absl::OkStatus();
 }
 
+// The oneDNN part of one Forward call (bf16 experts with many routes; onednn_experts.h).
+struct OnednnPart {
+  int experts = 0;
+  int routes = 0;
+  std::vector<float> y;  // [T, H] fp32: the oneDNN experts' sum, then the GEMV kernels add theirs
+  std::vector<int> token_route_begin;  // all routes' (before the split)
+  void* user_y = nullptr;
+  DType user_y_dtype = DType::kF32;
+  Options gemv_options;
+};
+
+// Runs the experts of `plan` with >= options.onednn_min_tokens_per_expert routes through oneDNN
+// into part->y and leaves the other routes in `plan`, redirected to accumulate into part->y.
+// Does nothing (part->experts == 0) when no expert qualifies.
+absl::Status RunOnednnPart(const ExpertBank& bank, const Options& options,
+                           internal::ForwardPlan& plan, OnednnPart* part) {
+  const int min_tokens = options.onednn_min_tokens_per_expert;
+  if (bank.format != WeightFormat::kBf16 || min_tokens <= 0 || plan.route_token.empty()) {
+    return absl::OkStatus();
+  }
+  const int E = bank.num_experts;
+  std::vector<int> count(E + 1, 0);
+  for (int e : plan.route_expert) ++count[e + 1];
+  std::vector<int> experts, group_begin = {0};
+  for (int e = 0; e < E; ++e) {
+    if (count[e + 1] >= min_tokens) {
+      experts.push_back(e);
+      group_begin.push_back(group_begin.back() + count[e + 1]);
+    }
+  }
+  if (experts.empty()) return absl::OkStatus();
+  std::vector<int> slot(E, -1), pos(experts.size());
+  for (size_t g = 0; g < experts.size(); ++g) {
+    slot[experts[g]] = static_cast<int>(g);
+    pos[g] = group_begin[g];
+  }
+  const int n = group_begin.back();
+  std::vector<int> route_token(n);
+  std::vector<float> route_weight(n);
+  internal::ForwardPlan rest = plan;  // keeps the scalars; the route vectors are rebuilt
+  rest.route_token.clear();
+  rest.route_expert.clear();
+  rest.route_weight.clear();
+  for (int t = 0; t < plan.num_tokens; ++t) {
+    for (int r = plan.token_route_begin[t]; r < plan.token_route_begin[t + 1]; ++r) {
+      const int g = slot[plan.route_expert[r]];
+      if (g >= 0) {
+        route_token[pos[g]] = plan.route_token[r];
+        route_weight[pos[g]++] = plan.route_weight[r];
+      } else {
+        rest.route_token.push_back(plan.route_token[r]);
+        rest.route_expert.push_back(plan.route_expert[r]);
+        rest.route_weight.push_back(plan.route_weight[r]);
+      }
+    }
+    rest.token_route_begin[t + 1] = static_cast<int>(rest.route_token.size());
+  }
+  part->y.assign(static_cast<size_t>(plan.num_tokens) * bank.hidden, 0.0f);
+  OnednnExpertsWork w;
+  w.hidden = bank.hidden;
+  w.intermediate = bank.intermediate;
+  w.gate_up = static_cast<const uint16_t*>(bank.gate_up_weights);
+  w.down = static_cast<const uint16_t*>(bank.down_weights);
+  w.x = plan.x;
+  w.x_bf16 = plan.x_dtype == DType::kBf16;
+  w.swiglu_oai = options.activation == Activation::kSwiGluOai;
+  w.swiglu_alpha = options.swiglu_alpha;
+  w.swiglu_limit = options.swiglu_limit;
+  w.experts = experts;
+  w.group_begin = group_begin;
+  w.route_token = route_token;
+  w.route_weight = route_weight;
+  w.y = part->y.data();
+  RETURN_IF_ERROR(OnednnExperts::Shared().Run(w));
+
+  part->experts = static_cast<int>(experts.size());
+  part->routes = n;
+  part->token_route_begin = std::move(plan.token_route_begin);
+  part->user_y = plan.y;
+  part->user_y_dtype = plan.y_dtype;
+  part->gemv_options = options;
+  part->gemv_options.accumulate = true;
+  plan = std::move(rest);
+  plan.options = &part->gemv_options;
+  plan.y = part->y.data();
+  plan.y_dtype = DType::kF32;
+  return absl::OkStatus();
+}
+
+// y[t] = (accumulate ? y[t] : 0) + part.y[t] for every token with a route: each row once.
+void FinishOnednnPart(const OnednnPart& part, int num_tokens, int H, bool accumulate,
+                      common::ThreadPool& pool) {
+  constexpr int kRowsPerTask = 8;
+  pool.ParallelFor((num_tokens + kRowsPerTask - 1) / kRowsPerTask, [&](uint64_t task, int) {
+    const int t1 = std::min(num_tokens, static_cast<int>(task + 1) * kRowsPerTask);
+    for (int t = static_cast<int>(task) * kRowsPerTask; t < t1; ++t) {
+      if (part.token_route_begin[t + 1] == part.token_route_begin[t]) continue;
+      const float* src = part.y.data() + static_cast<size_t>(t) * H;
+      if (part.user_y_dtype == DType::kF32) {
+        float* yr = static_cast<float*>(part.user_y) + static_cast<size_t>(t) * H;
+        for (int j = 0; j < H; ++j) yr[j] = (accumulate ? yr[j] : 0.0f) + src[j];
+      } else {
+        uint16_t* yr = static_cast<uint16_t*>(part.user_y) + static_cast<size_t>(t) * H;
+        for (int j = 0; j < H; ++j) {
+          yr[j] = common::FloatToBf16((accumulate ? common::Bf16ToFloat(yr[j]) : 0.0f) + src[j]);
+        }
+      }
+    }
+  });
+}
+
 bool EnvFlag(const char* name, bool* value) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return false;
@@ -140,6 +252,9 @@ Options Options::FromEnv() {
   EnvFlag("MOE_CPU_DEDUP", &o.dedup);
   EnvFlag("MOE_CPU_DEBUG", &o.debug);
   if (const char* t = std::getenv("MOE_CPU_MAX_TARGET"); t != nullptr) o.max_target = t;
+  if (const char* v = std::getenv("MOE_CPU_ONEDNN_MIN_TOKENS"); v != nullptr && *v != '\0') {
+    o.onednn_min_tokens_per_expert = std::max(0, std::atoi(v));
+  }
   return o;
 }
 
@@ -196,6 +311,9 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
     }
     plan.token_route_begin[t + 1] = static_cast<int>(plan.route_token.size());
   }
+  // Prefill: experts with many routes go through oneDNN first; the rest stay in `plan`.
+  OnednnPart onednn;
+  RETURN_IF_ERROR(RunOnednnPart(bank, options, plan, &onednn));
   const int num_routes = static_cast<int>(plan.route_token.size());
 
   // Counting sort of routes by expert (stable: token order within an expert).
@@ -223,22 +341,29 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   plan.dedup_pass2 = dedup;
 
   const char* target_name = hwy::TargetName(target);
+  const int all_routes = num_routes + onednn.routes;
+  const int all_unique = unique + onednn.experts;
   if (stats != nullptr) {
-    stats->routes = num_routes;
-    stats->unique_experts = unique;
-    stats->reuse = unique > 0 ? static_cast<double>(num_routes) / unique : 0.0;
+    stats->routes = all_routes;
+    stats->unique_experts = all_unique;
+    stats->reuse = all_unique > 0 ? static_cast<double>(all_routes) / all_unique : 0.0;
     stats->target = target_name;
+    stats->onednn_experts = onednn.experts;
   }
   if (options.debug) {
-    std::fprintf(stderr, "cpu_moe: T=%d routes=%d unique_experts=%d reuse=%.3f dedup=%d target=%s\n",
-                 num_tokens, num_routes, unique,
-                 unique > 0 ? static_cast<double>(num_routes) / unique : 0.0, dedup ? 1 : 0,
-                 target_name);
+    std::fprintf(stderr,
+                 "cpu_moe: T=%d routes=%d unique_experts=%d reuse=%.3f dedup=%d target=%s "
+                 "onednn_experts=%d onednn_routes=%d\n",
+                 num_tokens, all_routes, all_unique,
+                 all_unique > 0 ? static_cast<double>(all_routes) / all_unique : 0.0,
+                 dedup ? 1 : 0, target_name, onednn.experts, onednn.routes);
   }
-  if (num_routes == 0) return absl::OkStatus();
 
   // One dispatch per call, at the chosen (possibly capped) target.
-  HWY_DISPATCH_TABLE(ForwardImpl)[TableIndex(target)](plan);
+  if (num_routes > 0) HWY_DISPATCH_TABLE(ForwardImpl)[TableIndex(target)](plan);
+  if (onednn.experts > 0) {
+    FinishOnednnPart(onednn, num_tokens, bank.hidden, options.accumulate, pool);
+  }
   return absl::OkStatus();
 }
 

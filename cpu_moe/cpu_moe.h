@@ -83,10 +83,17 @@ struct Options {
   std::string max_target;
   // y += result instead of y = result (for adding CPU-computed misses into other outputs).
   bool accumulate = false;
+  // Prefill: experts with at least this many routes in one call (tokens per expert) run as
+  // grouped GEMMs through oneDNN matmul (bf16, AMX where the CPU has it; onednn_experts.h), the
+  // rest through the GEMV kernels. bf16 banks only; 0 turns oneDNN off. The default is the
+  // crossover measured by onednn_bench (cpu_moe/benchmarks/onednn_crossover.md).
+  static constexpr int kDefaultOnednnMinTokens = 8;
+  int onednn_min_tokens_per_expert = kDefaultOnednnMinTokens;
 
   // Options with the environment's switches applied, read now (never cached):
   //   MOE_CPU_DEDUP=0 turns dedup off, MOE_CPU_DEBUG=1 turns debug on,
-  //   MOE_CPU_MAX_TARGET=<name> caps the target.
+  //   MOE_CPU_MAX_TARGET=<name> caps the target,
+  //   MOE_CPU_ONEDNN_MIN_TOKENS=<n> sets onednn_min_tokens_per_expert (0: oneDNN off).
   static Options FromEnv();
 };
 
@@ -96,6 +103,7 @@ struct ForwardStats {
   int unique_experts = 0;  // distinct experts among them
   double reuse = 0.0;      // routes / unique_experts (0 when there are no routes)
   std::string target;      // Highway target that ran
+  int onednn_experts = 0;  // experts computed through oneDNN (their routes are in `routes`)
 };
 
 // y[T, H] = the routed MoE output for x[T, H].
