@@ -44,8 +44,11 @@ using internal::ForwardPlan;
 
 // Routes dotted against one decoded weight row at a time.
 constexpr int kTile = 4;
-// Largest H or I the row-scale scratch supports (checked by Forward).
-constexpr size_t kMaxCols = 16384;
+// Bytes ahead of the current position that the row kernels prefetch in the weight stream. Rows of
+// a work item are contiguous, so the prefetch runs on into the next row; the hardware prefetcher
+// alone stalls at every 4 KiB page, and one core needs about 1-2 KiB in flight to approach its
+// share of DRAM bandwidth.
+constexpr size_t kPrefetchBytes = 1024;
 
 // ---------------------------------------------------------------------------------------------
 // Activations, prepared once per call in the layout the weight format's row kernel wants.
@@ -229,11 +232,6 @@ HWY_INLINE hn::Vec<D32> DotAcc(D32 d32, hn::Vec<D32> acc, VU u, VI x) {
 alignas(16) static constexpr uint8_t kFp4Lut[16] = {12, 13, 14, 15, 16, 18, 20, 24,
                                                     12, 11, 10, 9,  8,  6,  4,  0};
 
-// Bytes ahead of the current position that the row kernels prefetch in the weight stream. Rows of
-// a work item are contiguous, so the prefetch runs on into the next row; the hardware prefetcher
-// alone stalls at every 4 KiB page, and one core needs about 1-2 KiB in flight to approach its
-// share of DRAM bandwidth.
-constexpr size_t kPrefetchBytes = 1024;
 
 // Loads the packed nibble bytes [b, b + Lanes(d8)) of a quantized row ("byte b" as in ActView).
 template <common::WeightFormat F, class D8>
@@ -421,11 +419,12 @@ HWY_INLINE void QuantChunk(D8 d8, DF df, const QuantRow& q, size_t b, hn::Vec<D8
   ws = hn::Load(df, tmp);
 }
 
-// Quantized row x NT activations over packed bytes [b, nbytes) at the width of d8; returns the
-// first byte not done. Adds into sums[NT] (before the row's post factor).
-template <common::WeightFormat F, int NT, class D8>
-HWY_INLINE size_t QuantDotLevel(D8 d8, const QuantRow& q, const ActView* acts, size_t b,
-                                size_t nbytes, float* HWY_RESTRICT sums) {
+// NR quantized rows x NT activations over packed bytes [b, nbytes) at the width of d8; returns
+// the first byte not done. Adds into sums[row][t] (before the rows' post factors). The rows share
+// every activation load; each (row, token) has its own accumulator.
+template <common::WeightFormat F, int NR, int NT, class D8>
+HWY_INLINE size_t QuantDotLevel(D8 d8, const QuantRow* q, const ActView* acts, size_t b,
+                                size_t nbytes, float (*HWY_RESTRICT sums)[kTile]) {
   const size_t n = hn::Lanes(d8);
   if (b + n > nbytes) return b;
   const hn::Repartition<int8_t, D8> di8;
@@ -433,83 +432,111 @@ HWY_INLINE size_t QuantDotLevel(D8 d8, const QuantRow& q, const ActView* acts, s
   const hn::Repartition<float, D8> df;
   const auto mask = hn::Set(d8, 0x0F);
   const auto lut = hn::LoadDup128(d8, kFp4Lut);
-  hn::Vec<decltype(df)> acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = hn::Zero(df);
+  hn::Vec<decltype(df)> acc[NR][NT];
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int t = 0; t < NT; ++t) acc[rr][t] = hn::Zero(df);
+  }
   for (; b + n <= nbytes; b += n) {
-    if constexpr (hn::MaxLanes(D8()) >= 32) {
-      hwy::Prefetch(PackedAddr<F>(q, b) + kPrefetchBytes);
+    hn::Vec<D8> lo[NR], hi[NR];
+    hn::Vec<decltype(df)> ws[NR];
+    for (int rr = 0; rr < NR; ++rr) {
+      if constexpr (hn::MaxLanes(D8()) >= 32) {
+        hwy::Prefetch(PackedAddr<F>(q[rr], b) + kPrefetchBytes);
+        if constexpr (F != common::WeightFormat::kQ4_0) {
+          hwy::Prefetch(q[rr].scales +
+                        (b + kPrefetchBytes) / (F == common::WeightFormat::kNvfp4 ? 8 : 16));
+        }
+      }
+      hn::Vec<D8> raw;
+      QuantChunk<F>(d8, df, q[rr], b, raw, ws[rr]);
+      lo[rr] = hn::And(raw, mask);
+      hi[rr] = hn::And(hn::ShiftRight<4>(raw), mask);
       if constexpr (F != common::WeightFormat::kQ4_0) {
-        hwy::Prefetch(q.scales + (b + kPrefetchBytes) / (F == common::WeightFormat::kNvfp4 ? 8 : 16));
+        lo[rr] = hn::TableLookupBytes(lut, lo[rr]);
+        hi[rr] = hn::TableLookupBytes(lut, hi[rr]);
       }
     }
-    hn::Vec<D8> raw;
-    hn::Vec<decltype(df)> ws;
-    QuantChunk<F>(d8, df, q, b, raw, ws);
-    auto lo = hn::And(raw, mask);
-    auto hi = hn::And(hn::ShiftRight<4>(raw), mask);
-    if constexpr (F != common::WeightFormat::kQ4_0) {
-      lo = hn::TableLookupBytes(lut, lo);
-      hi = hn::TableLookupBytes(lut, hi);
-    }
     for (int t = 0; t < NT; ++t) {
-      auto s = hn::LoadU(di32, acts[t].neg + b / 4);
-      s = DotAcc(di32, s, lo, hn::LoadU(di8, acts[t].lo + b));
-      s = DotAcc(di32, s, hi, hn::LoadU(di8, acts[t].hi + b));
-      acc[t] = hn::MulAdd(hn::ConvertTo(df, s), hn::Mul(ws, hn::LoadU(df, acts[t].xs + b / 4)),
-                          acc[t]);
+      const auto neg = hn::LoadU(di32, acts[t].neg + b / 4);
+      const auto xl = hn::LoadU(di8, acts[t].lo + b);
+      const auto xh = hn::LoadU(di8, acts[t].hi + b);
+      const auto xs = hn::LoadU(df, acts[t].xs + b / 4);
+      for (int rr = 0; rr < NR; ++rr) {
+        auto s = DotAcc(di32, neg, lo[rr], xl);
+        s = DotAcc(di32, s, hi[rr], xh);
+        acc[rr][t] = hn::MulAdd(hn::ConvertTo(df, s), hn::Mul(ws[rr], xs), acc[rr][t]);
+      }
     }
   }
-  for (int t = 0; t < NT; ++t) sums[t] += hn::GetLane(hn::SumOfLanes(df, acc[t]));
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int t = 0; t < NT; ++t) sums[rr][t] += hn::GetLane(hn::SumOfLanes(df, acc[rr][t]));
+  }
   return b;
 }
 
-template <common::WeightFormat F, int NT, class D8>
-HWY_INLINE void QuantDotAll(D8 d8, const QuantRow& q, const ActView* acts, size_t b,
-                            size_t nbytes, float* sums) {
-  b = QuantDotLevel<F, NT>(d8, q, acts, b, nbytes, sums);
+template <common::WeightFormat F, int NR, int NT, class D8>
+HWY_INLINE void QuantDotAll(D8 d8, const QuantRow* q, const ActView* acts, size_t b,
+                            size_t nbytes, float (*sums)[kTile]) {
+  b = QuantDotLevel<F, NR, NT>(d8, q, acts, b, nbytes, sums);
   if constexpr (hn::MaxLanes(D8()) > 16) {
-    if (b < nbytes) QuantDotAll<F, NT>(hn::Half<D8>(), q, acts, b, nbytes, sums);
+    if (b < nbytes) QuantDotAll<F, NR, NT>(hn::Half<D8>(), q, acts, b, nbytes, sums);
   }
 }
 
-template <int NT, class DF>
-HWY_INLINE size_t Bf16DotLevel(DF df, const uint16_t* HWY_RESTRICT w, const ActView* acts,
-                               size_t i, size_t npairs, float* HWY_RESTRICT sums) {
+template <int NR, int NT, class DF>
+HWY_INLINE size_t Bf16DotLevel(DF df, const uint16_t* const* w, const ActView* acts, size_t i,
+                               size_t npairs, float (*HWY_RESTRICT sums)[kTile]) {
   // i counts element pairs (u32 lanes).
   const size_t n = hn::Lanes(df);
   if (i + n > npairs) return i;
   const hn::RebindToUnsigned<DF> du32;
   const hn::Repartition<uint16_t, DF> du16;
   const auto hi_mask = hn::Set(du32, 0xFFFF0000u);
-  hn::Vec<DF> a0[NT], a1[NT];
-  for (int t = 0; t < NT; ++t) a0[t] = a1[t] = hn::Zero(df);
+  hn::Vec<DF> a0[NR][NT], a1[NR][NT];
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int t = 0; t < NT; ++t) a0[rr][t] = a1[rr][t] = hn::Zero(df);
+  }
   for (; i + n <= npairs; i += n) {
-    const auto w32 = hn::BitCast(du32, hn::LoadU(du16, w + 2 * i));
-    const auto we = hn::BitCast(df, hn::ShiftLeft<16>(w32));
-    const auto wo = hn::BitCast(df, hn::And(w32, hi_mask));
+    hn::Vec<DF> we[NR], wo[NR];
+    for (int rr = 0; rr < NR; ++rr) {
+      if constexpr (hn::MaxLanes(DF()) >= 8) {
+        hwy::Prefetch(reinterpret_cast<const uint8_t*>(w[rr] + 2 * i) + kPrefetchBytes);
+      }
+      const auto w32 = hn::BitCast(du32, hn::LoadU(du16, w[rr] + 2 * i));
+      we[rr] = hn::BitCast(df, hn::ShiftLeft<16>(w32));
+      wo[rr] = hn::BitCast(df, hn::And(w32, hi_mask));
+    }
     for (int t = 0; t < NT; ++t) {
-      a0[t] = hn::MulAdd(we, hn::LoadU(df, acts[t].xe + i), a0[t]);
-      a1[t] = hn::MulAdd(wo, hn::LoadU(df, acts[t].xo + i), a1[t]);
+      const auto xe = hn::LoadU(df, acts[t].xe + i);
+      const auto xo = hn::LoadU(df, acts[t].xo + i);
+      for (int rr = 0; rr < NR; ++rr) {
+        a0[rr][t] = hn::MulAdd(we[rr], xe, a0[rr][t]);
+        a1[rr][t] = hn::MulAdd(wo[rr], xo, a1[rr][t]);
+      }
     }
   }
-  for (int t = 0; t < NT; ++t) sums[t] += hn::GetLane(hn::SumOfLanes(df, hn::Add(a0[t], a1[t])));
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int t = 0; t < NT; ++t) {
+      sums[rr][t] += hn::GetLane(hn::SumOfLanes(df, hn::Add(a0[rr][t], a1[rr][t])));
+    }
+  }
   return i;
 }
 
-template <int NT, class DF>
-HWY_INLINE void Bf16DotAll(DF df, const uint16_t* w, const ActView* acts, size_t i,
-                           size_t npairs, float* sums) {
-  i = Bf16DotLevel<NT>(df, w, acts, i, npairs, sums);
+template <int NR, int NT, class DF>
+HWY_INLINE void Bf16DotAll(DF df, const uint16_t* const* w, const ActView* acts, size_t i,
+                           size_t npairs, float (*sums)[kTile]) {
+  i = Bf16DotLevel<NR, NT>(df, w, acts, i, npairs, sums);
   if constexpr (hn::MaxLanes(DF()) > 4) {
-    if (i < npairs) Bf16DotAll<NT>(hn::Half<DF>(), w, acts, i, npairs, sums);
+    if (i < npairs) Bf16DotAll<NR, NT>(hn::Half<DF>(), w, acts, i, npairs, sums);
   }
 }
 
 // fp8 e4m3 -> f32 through the f16 bit pattern: sign to bit 15, exponent and mantissa to bits
 // 13..7 gives an f16 of value e4m3 / 256 (subnormals included), which F16C widens exactly.
-template <int NT>
-HWY_INLINE void Fp8DotRow(const uint8_t* HWY_RESTRICT w, const float* HWY_RESTRICT scale_row,
-                          size_t cols, const ActView* acts, float* HWY_RESTRICT sums) {
+template <int NR, int NT>
+HWY_INLINE void Fp8DotRows(const uint8_t* const* w, const float* const* scale_row, size_t cols,
+                           const ActView* acts, float (*HWY_RESTRICT sums)[kTile]) {
   const hn::ScalableTag<float> df;
   const hn::Rebind<uint8_t, decltype(df)> d8;
   const hn::Rebind<uint16_t, decltype(df)> d16;
@@ -517,78 +544,99 @@ HWY_INLINE void Fp8DotRow(const uint8_t* HWY_RESTRICT w, const float* HWY_RESTRI
   const size_t n = hn::Lanes(df);
   const auto sign = hn::Set(d16, 0x80);
   const auto mag = hn::Set(d16, 0x7F);
-  hn::Vec<decltype(df)> total[NT];
-  for (int t = 0; t < NT; ++t) total[t] = hn::Zero(df);
+  hn::Vec<decltype(df)> total[NR][NT];
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int t = 0; t < NT; ++t) total[rr][t] = hn::Zero(df);
+  }
   for (size_t c0 = 0; c0 < cols; c0 += common::kFp8BlockSize) {
     const size_t c1 = std::min(cols, c0 + common::kFp8BlockSize);
-    hn::Vec<decltype(df)> acc[NT];
-    for (int t = 0; t < NT; ++t) acc[t] = hn::Zero(df);
-    for (size_t c = c0; c < c1; c += n) {
-      const auto b = hn::PromoteTo(d16, hn::LoadU(d8, w + c));
-      const auto bits = hn::Or(hn::ShiftLeft<8>(hn::And(b, sign)), hn::ShiftLeft<7>(hn::And(b, mag)));
-      const auto wf = hn::PromoteTo(df, hn::BitCast(df16, bits));
-      for (int t = 0; t < NT; ++t) acc[t] = hn::MulAdd(wf, hn::LoadU(df, acts[t].xf + c), acc[t]);
+    hn::Vec<decltype(df)> acc[NR][NT];
+    for (int rr = 0; rr < NR; ++rr) {
+      for (int t = 0; t < NT; ++t) acc[rr][t] = hn::Zero(df);
     }
-    const auto s = hn::Set(df, 256.0f * scale_row[c0 / common::kFp8BlockSize]);
-    for (int t = 0; t < NT; ++t) total[t] = hn::MulAdd(acc[t], s, total[t]);
+    for (size_t c = c0; c < c1; c += n) {
+      hn::Vec<decltype(df)> wf[NR];
+      for (int rr = 0; rr < NR; ++rr) {
+        if ((c & 63) == 0) hwy::Prefetch(w[rr] + c + kPrefetchBytes);
+        const auto b = hn::PromoteTo(d16, hn::LoadU(d8, w[rr] + c));
+        const auto bits =
+            hn::Or(hn::ShiftLeft<8>(hn::And(b, sign)), hn::ShiftLeft<7>(hn::And(b, mag)));
+        wf[rr] = hn::PromoteTo(df, hn::BitCast(df16, bits));
+      }
+      for (int t = 0; t < NT; ++t) {
+        const auto x = hn::LoadU(df, acts[t].xf + c);
+        for (int rr = 0; rr < NR; ++rr) acc[rr][t] = hn::MulAdd(wf[rr], x, acc[rr][t]);
+      }
+    }
+    for (int rr = 0; rr < NR; ++rr) {
+      const auto s = hn::Set(df, 256.0f * scale_row[rr][c0 / common::kFp8BlockSize]);
+      for (int t = 0; t < NT; ++t) total[rr][t] = hn::MulAdd(acc[rr][t], s, total[rr][t]);
+    }
   }
-  for (int t = 0; t < NT; ++t) sums[t] += hn::GetLane(hn::SumOfLanes(df, total[t]));
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int t = 0; t < NT; ++t) sums[rr][t] += hn::GetLane(hn::SumOfLanes(df, total[rr][t]));
+  }
 }
 
-// Per-worker scratch of the row kernels.
-struct RowScratch {
-  HWY_ALIGN float wsl[kMaxCols / 8];
-};
-
-// sums[t] = dot(row r of expert e of m, acts[t]) for t < nt (nt <= kTile). wsl_ready: the lane
-// scales of this row are already in scratch (quantized formats).
-template <common::WeightFormat F, int NT>
-HWY_INLINE void DotRowN(const MatrixRef& m, size_t e, size_t r, const ActView* acts,
-                        float* sums, RowScratch& scratch, bool wsl_ready) {
-  for (int t = 0; t < NT; ++t) sums[t] = 0.0f;
+// sums[i][t] = dot(row r[i] of expert e of m, acts[t]) for i < NR, t < NT (NT <= kTile).
+template <common::WeightFormat F, int NR, int NT>
+HWY_INLINE void DotRowsN(const MatrixRef& m, size_t e, const size_t* r, const ActView* acts,
+                         float (*sums)[kTile]) {
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int t = 0; t < NT; ++t) sums[rr][t] = 0.0f;
+  }
   const size_t k = m.cols;
-  const size_t row = e * m.rows + r;
   if constexpr (IsQuant<F>()) {
-    (void)scratch;
-    (void)wsl_ready;
-    const QuantRow q = MakeQuantRow<F>(m, e, r);
-    QuantDotAll<F, NT>(hn::ScalableTag<uint8_t>(), q, acts, 0, k / 2, sums);
-    for (int t = 0; t < NT; ++t) sums[t] *= q.post;
+    QuantRow q[NR];
+    for (int rr = 0; rr < NR; ++rr) q[rr] = MakeQuantRow<F>(m, e, r[rr]);
+    QuantDotAll<F, NR, NT>(hn::ScalableTag<uint8_t>(), q, acts, 0, k / 2, sums);
+    for (int rr = 0; rr < NR; ++rr) {
+      for (int t = 0; t < NT; ++t) sums[rr][t] *= q[rr].post;
+    }
   } else if constexpr (F == common::WeightFormat::kBf16) {
-    const uint16_t* w = static_cast<const uint16_t*>(m.weights) + row * k;
-    Bf16DotAll<NT>(hn::ScalableTag<float>(), w, acts, 0, k / 2, sums);
+    const uint16_t* w[NR];
+    for (int rr = 0; rr < NR; ++rr) {
+      w[rr] = static_cast<const uint16_t*>(m.weights) + (e * m.rows + r[rr]) * k;
+    }
+    Bf16DotAll<NR, NT>(hn::ScalableTag<float>(), w, acts, 0, k / 2, sums);
   } else {
-    const uint8_t* w = static_cast<const uint8_t*>(m.weights) + row * k;
     const size_t bcols = (k + common::kFp8BlockSize - 1) / common::kFp8BlockSize;
     const size_t brows = (m.rows + common::kFp8BlockSize - 1) / common::kFp8BlockSize;
-    const float* scale_row = static_cast<const float*>(m.scales) + e * brows * bcols +
-                             (r / common::kFp8BlockSize) * bcols;
-    Fp8DotRow<NT>(w, scale_row, k, acts, sums);
+    const uint8_t* w[NR];
+    const float* scale_row[NR];
+    for (int rr = 0; rr < NR; ++rr) {
+      w[rr] = static_cast<const uint8_t*>(m.weights) + (e * m.rows + r[rr]) * k;
+      scale_row[rr] = static_cast<const float*>(m.scales) + e * brows * bcols +
+                      (r[rr] / common::kFp8BlockSize) * bcols;
+    }
+    Fp8DotRows<NR, NT>(w, scale_row, k, acts, sums);
   }
 }
 
-// Dots one row against n activations (any n), kTile at a time; the row's scales are decoded once.
-template <common::WeightFormat F>
-HWY_INLINE void DotRowMany(const MatrixRef& m, size_t e, size_t r, const ActView* acts, int n,
-                           float* sums, RowScratch& scratch) {
-  bool ready = false;
-  int t = 0;
-  for (; t + kTile <= n; t += kTile) {
-    DotRowN<F, kTile>(m, e, r, acts + t, sums + t, scratch, ready);
-    ready = true;
-  }
-  switch (n - t) {
-    case 3: DotRowN<F, 3>(m, e, r, acts + t, sums + t, scratch, ready); break;
-    case 2: DotRowN<F, 2>(m, e, r, acts + t, sums + t, scratch, ready); break;
-    case 1: DotRowN<F, 1>(m, e, r, acts + t, sums + t, scratch, ready); break;
-    default: break;
+// Dots NR rows against n activations (any n), kTile at a time: out[i][t] for i < NR, t < n.
+template <common::WeightFormat F, int NR>
+HWY_INLINE void DotRowsMany(const MatrixRef& m, size_t e, const size_t* r, const ActView* acts,
+                            int n, float* const* out) {
+  float sums[NR][kTile];
+  for (int t = 0; t < n; t += kTile) {
+    const int nt = std::min(kTile, n - t);
+    switch (nt) {
+      case 4: DotRowsN<F, NR, 4>(m, e, r, acts + t, sums); break;
+      case 3: DotRowsN<F, NR, 3>(m, e, r, acts + t, sums); break;
+      case 2: DotRowsN<F, NR, 2>(m, e, r, acts + t, sums); break;
+      default: DotRowsN<F, NR, 1>(m, e, r, acts + t, sums); break;
+    }
+    for (int rr = 0; rr < NR; ++rr) {
+      for (int i = 0; i < nt; ++i) out[rr][t + i] = sums[rr][i];
+    }
   }
 }
 
-// Prefetches the start of row r of expert e (the hardware prefetcher follows once streaming).
+// Prefetches the start of row r of expert e (the software prefetch inside the row kernels runs
+// kPrefetchBytes ahead from there).
 HWY_INLINE void PrefetchRow(const MatrixRef& m, size_t e, size_t r, size_t bytes_per_row) {
   const uint8_t* p = static_cast<const uint8_t*>(m.weights) + (e * m.rows + r) * bytes_per_row;
-  for (size_t o = 0; o < bytes_per_row && o < 512; o += 64) hwy::Prefetch(p + o);
+  for (size_t o = 0; o < bytes_per_row && o < kPrefetchBytes; o += 64) hwy::Prefetch(p + o);
 }
 
 inline size_t RowBytes(common::WeightFormat f, size_t cols) {
@@ -605,6 +653,10 @@ inline float Silu(float g) { return g / (1.0f + std::exp(-g)); }
 // ---------------------------------------------------------------------------------------------
 // The whole call for one format.
 
+// Rows dotted together (sharing activation loads): gate with up in pass 1, row pairs in pass 2.
+template <common::WeightFormat F>
+constexpr bool kFuseRows = !IsQuant<F>();
+
 constexpr size_t kPass1RowBlock = 16;  // gate rows (and as many up rows) per pass-1 item
 constexpr size_t kPass2RowBlock = 16;  // H rows per pass-2 item
 
@@ -617,7 +669,6 @@ void ForwardFormat(ForwardPlan& plan) {
   const size_t R = plan.route_token.size();
   const size_t T = plan.num_tokens;
   const int workers = pool.num_workers() + 1;
-  std::vector<RowScratch> scratch(workers);
 
   const MatrixRef gate_up{bank.gate_up_weights, bank.gate_up_scales, bank.gate_up_global_scales,
                           2 * I, H};
@@ -655,26 +706,30 @@ void ForwardFormat(ForwardPlan& plan) {
   common::AlignedBuffer<float> h(std::max<size_t>(1, R * I));
   const size_t nrb = (I + kPass1RowBlock - 1) / kPass1RowBlock;
   const size_t row_bytes1 = RowBytes(F, H);
-  pool.ParallelFor(plan.groups.size() * nrb, [&](uint64_t item, int worker) {
+  pool.ParallelFor(plan.groups.size() * nrb, [&](uint64_t item, int) {
     const internal::ExpertGroup& g = plan.groups[item / nrb];
     const size_t r0 = (item % nrb) * kPass1RowBlock;
     const size_t r1 = std::min(I, r0 + kPass1RowBlock);
     const int n = g.end - g.begin;
     ActView acts[64];
     float gs[64], us[64];
-    RowScratch& sc = scratch[worker];
+    float* const out[2] = {gs, us};
+    PrefetchRow(gate_up, g.expert, r0, row_bytes1);
+    PrefetchRow(gate_up, g.expert, I + r0, row_bytes1);
     for (int c0 = 0; c0 < n; c0 += 64) {
       const int nc = std::min(64, n - c0);
       for (int i = 0; i < nc; ++i) {
         acts[i] = xacts.View(token_slot[plan.route_token[plan.group_routes[g.begin + c0 + i]]]);
       }
       for (size_t r = r0; r < r1; ++r) {
-        if (r + 1 < r1) {
-          PrefetchRow(gate_up, g.expert, r + 1, row_bytes1);
-          PrefetchRow(gate_up, g.expert, I + r + 1, row_bytes1);
+        // The gate and up rows of r together: one pass over the activations for both.
+        const size_t rows[2] = {r, I + r};
+        if constexpr (kFuseRows<F>) {
+          DotRowsMany<F, 2>(gate_up, g.expert, rows, acts, nc, out);
+        } else {
+          DotRowsMany<F, 1>(gate_up, g.expert, rows, acts, nc, out);
+          DotRowsMany<F, 1>(gate_up, g.expert, rows + 1, acts, nc, out + 1);
         }
-        DotRowMany<F>(gate_up, g.expert, r, acts, nc, gs, sc);
-        DotRowMany<F>(gate_up, g.expert, I + r, acts, nc, us, sc);
         for (int i = 0; i < nc; ++i) {
           const size_t route = plan.group_routes[g.begin + c0 + i];
           float v;
@@ -719,21 +774,29 @@ void ForwardFormat(ForwardPlan& plan) {
       const size_t nb = h1 - h0;
       std::vector<float>& acc = accs[worker];
       acc.assign(active_tokens.size() * nb, 0.0f);
-      RowScratch& sc = scratch[worker];
       ActView acts[64];
-      float dots[64];
-      for (const internal::ExpertGroup& g : plan.groups) {
+      float dots[2][64];
+      float* const out[2] = {dots[0], dots[1]};
+      for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
+        const internal::ExpertGroup& g = plan.groups[gi];
+        if (gi + 1 < plan.groups.size()) PrefetchRow(down, plan.groups[gi + 1].expert, h0, row_bytes2);
         const int n = g.end - g.begin;
         for (int c0 = 0; c0 < n; c0 += 64) {
           const int nc = std::min(64, n - c0);
           for (int i = 0; i < nc; ++i) acts[i] = hacts.View(plan.group_routes[g.begin + c0 + i]);
-          for (size_t r = h0; r < h1; ++r) {
-            if (r + 1 < h1) PrefetchRow(down, g.expert, r + 1, row_bytes2);
-            DotRowMany<F>(down, g.expert, r, acts, nc, dots, sc);
-            for (int i = 0; i < nc; ++i) {
-              const size_t route = plan.group_routes[g.begin + c0 + i];
-              acc[token_slot[plan.route_token[route]] * nb + (r - h0)] +=
-                  plan.route_weight[route] * dots[i];
+          for (size_t r = h0; r < h1; r += kFuseRows<F> ? 2 : 1) {
+            const size_t rows[2] = {r, r + 1};
+            if (kFuseRows<F> && r + 1 < h1) {
+              DotRowsMany<F, 2>(down, g.expert, rows, acts, nc, out);
+            } else {
+              DotRowsMany<F, 1>(down, g.expert, rows, acts, nc, out);
+            }
+            for (int rr = 0; rr < (kFuseRows<F> ? 2 : 1) && r + rr < h1; ++rr) {
+              for (int i = 0; i < nc; ++i) {
+                const size_t route = plan.group_routes[g.begin + c0 + i];
+                acc[token_slot[plan.route_token[route]] * nb + (r + rr - h0)] +=
+                    plan.route_weight[route] * dots[rr][i];
+              }
             }
           }
         }
@@ -743,19 +806,27 @@ void ForwardFormat(ForwardPlan& plan) {
       }
     });
   } else {
-    pool.ParallelFor(active_tokens.size() * nhb, [&](uint64_t item, int worker) {
+    pool.ParallelFor(active_tokens.size() * nhb, [&](uint64_t item, int) {
       const size_t t = active_tokens[item / nhb];
       const size_t h0 = (item % nhb) * kPass2RowBlock, h1 = std::min(H, h0 + kPass2RowBlock);
       float acc[kPass2RowBlock] = {};
-      RowScratch& sc = scratch[worker];
-      for (int route = plan.token_route_begin[t]; route < plan.token_route_begin[t + 1]; ++route) {
+      const int rb = plan.token_route_begin[t], re = plan.token_route_begin[t + 1];
+      PrefetchRow(down, plan.route_expert[rb], h0, row_bytes2);
+      for (int route = rb; route < re; ++route) {
         const ActView act = hacts.View(route);
         const int expert = plan.route_expert[route];
-        for (size_t r = h0; r < h1; ++r) {
-          if (r + 1 < h1) PrefetchRow(down, expert, r + 1, row_bytes2);
-          float dot;
-          DotRowN<F, 1>(down, expert, r, &act, &dot, sc, false);
-          acc[r - h0] += plan.route_weight[route] * dot;
+        if (route + 1 < re) PrefetchRow(down, plan.route_expert[route + 1], h0, row_bytes2);
+        for (size_t r = h0; r < h1; r += kFuseRows<F> ? 2 : 1) {
+          const size_t rows[2] = {r, r + 1};
+          float dot[2][kTile];
+          if (kFuseRows<F> && r + 1 < h1) {
+            DotRowsN<F, 2, 1>(down, expert, rows, &act, dot);
+          } else {
+            DotRowsN<F, 1, 1>(down, expert, rows, &act, dot);
+          }
+          for (int rr = 0; rr < (kFuseRows<F> ? 2 : 1) && r + rr < h1; ++rr) {
+            acc[r + rr - h0] += plan.route_weight[route] * dot[rr][0];
+          }
         }
       }
       write_y(t, h0, h1, acc);
