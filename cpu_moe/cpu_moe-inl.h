@@ -120,13 +120,22 @@ class ActSet {
       int32_t* neg = reinterpret_cast<int32_t*>(lo + 3 * k_ / 2);
       for (size_t b = 0; b < k_ / 32; ++b) {
         const float* xb = x + 32 * b;
-        float amax = 0.0f;
-        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        // Vectorized, same IEEE operations as the scalar definition: amax = max |x|,
+        // d = amax / 127, q = round-to-nearest-even(clamp(x * (1 / d), -127, 127)).
+        const hn::CappedTag<float, 16> df;
+        const size_t nl = hn::Lanes(df);
+        auto m = hn::Zero(df);
+        for (size_t j = 0; j < 32; j += nl) m = hn::Max(m, hn::Abs(hn::LoadU(df, xb + j)));
+        const float amax = hn::GetLane(hn::MaxOfLanes(df, m));
         const float d = amax / 127.0f;
         const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-        int8_t q[32];
-        for (int j = 0; j < 32; ++j) {
-          q[j] = static_cast<int8_t>(std::nearbyint(std::min(127.0f, std::max(-127.0f, xb[j] * inv))));
+        const auto vinv = hn::Set(df, inv);
+        const auto lim = hn::Set(df, 127.0f);
+        HWY_ALIGN int8_t q[32 + 16];
+        for (size_t j = 0; j < 32; j += nl) {
+          const auto v = hn::Min(lim, hn::Max(hn::Neg(lim), hn::Mul(hn::LoadU(df, xb + j), vinv)));
+          const auto qi = hn::NearestInt(v);
+          hn::StoreU(hn::DemoteTo(hn::Rebind<int8_t, decltype(df)>(), qi), hn::Rebind<int8_t, decltype(df)>(), q + j);
         }
         for (int p = 0; p < 16; ++p) {
           if constexpr (F == common::WeightFormat::kQ4_0) {
