@@ -5,8 +5,9 @@
 //   prep x  -> pass 1 (gate_up rows, split by (group, row block), routes of the group inner)
 //           -> h [routes, I] -> prep h -> pass 2 (down rows, split by H-block over all groups
 //              when deduping, by (token, H-block) otherwise) -> y.
-// Each weight row is decoded once per work item and dotted against up to kTile routes at a time,
-// so a row shared by several tokens is read from DRAM once and reused from registers / L1.
+// Each weight row is decoded once per work item and dotted against up to 4 (bf16, fp8) or 8 (int8
+// formats) routes at a time, so a row shared by several tokens is read from DRAM once and reused
+// from registers / L1.
 
 #if defined(MOE_CPU_MOE_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MOE_CPU_MOE_INL_H_
@@ -42,8 +43,16 @@ namespace hn = hwy::HWY_NAMESPACE;
 using common::BlockQ4_0;
 using internal::ForwardPlan;
 
-// Routes dotted against one decoded weight row at a time.
-constexpr int kTile = 4;
+// Routes dotted against one decoded weight row at a time (at most; the stride of the sums
+// arrays). bf16/fp8 use 4 (two fp32 accumulators per row and route), the int8 formats 8.
+constexpr int kTile = 8;
+template <common::WeightFormat F>
+constexpr int TileOf() {
+  return F == common::WeightFormat::kQ4_0 || F == common::WeightFormat::kMxfp4 ||
+                 F == common::WeightFormat::kNvfp4
+             ? 8
+             : 4;
+}
 // Bytes ahead of the current position that the row kernels prefetch in the weight stream. Rows of
 // a work item are contiguous, so the prefetch runs on into the next row; the hardware prefetcher
 // alone stalls at every 4 KiB page, and one core needs about 1-2 KiB in flight to approach its
@@ -624,9 +633,15 @@ template <common::WeightFormat F, int NR>
 HWY_INLINE void DotRowsMany(const MatrixRef& m, size_t e, const size_t* r, const ActView* acts,
                             int n, float* const* out) {
   float sums[NR][kTile];
-  for (int t = 0; t < n; t += kTile) {
-    const int nt = std::min(kTile, n - t);
+  constexpr int kT = TileOf<F>();
+  for (int t = 0; t < n; t += kT) {
+    const int nt = std::min(kT, n - t);
     switch (nt) {
+      // (kT == 4 never gets here with nt > 4; the dependent if constexpr keeps those unbuilt.)
+      case 8: if constexpr (kT >= 8) DotRowsN<F, NR, 8>(m, e, r, acts + t, sums); break;
+      case 7: if constexpr (kT >= 8) DotRowsN<F, NR, 7>(m, e, r, acts + t, sums); break;
+      case 6: if constexpr (kT >= 8) DotRowsN<F, NR, 6>(m, e, r, acts + t, sums); break;
+      case 5: if constexpr (kT >= 8) DotRowsN<F, NR, 5>(m, e, r, acts + t, sums); break;
       case 4: DotRowsN<F, NR, 4>(m, e, r, acts + t, sums); break;
       case 3: DotRowsN<F, NR, 3>(m, e, r, acts + t, sums); break;
       case 2: DotRowsN<F, NR, 2>(m, e, r, acts + t, sums); break;

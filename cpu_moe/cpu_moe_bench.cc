@@ -182,7 +182,7 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
 }
 
 // Cache-hot kernel throughput (not a DRAM figure): one bank of 8 experts (all routed by every
-// token), reused every step, so the weights come from L2/L3. gbps_hot = weight bytes per step /
+// token; T=4 / 8: 4 / 8 routes per expert), reused every step, so the weights come from L2/L3. gbps_hot = weight bytes per step /
 // time. Run with --threads=1 to see one core's decode + dot rate, which must exceed the per-core
 // DRAM share of the target machine for the DRAM cases to be memory-bound.
 void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int T) {
@@ -219,7 +219,7 @@ void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int T) {
 void RegisterAll() {
   for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kQ4_0,
                          WeightFormat::kNvfp4, WeightFormat::kMxfp4}) {
-    for (int T : {1, 4}) {
+    for (int T : {1, 4, 8}) {
       const std::string name =
           absl::StrCat("BM_CpuMoeHot/", std::string(common::WeightFormatName(f)), "/", T);
       benchmark::RegisterBenchmark(name.c_str(), BM_CpuMoeHot, f, T)
