@@ -553,10 +553,13 @@ template <int NR, int NT>
 HWY_INLINE void Fp8DotRows(const uint8_t* const* w, const float* const* scale_row, size_t cols,
                            const ActView* acts, float (*HWY_RESTRICT sums)[kTile]) {
   const hn::ScalableTag<float> df;
-  const hn::Rebind<uint8_t, decltype(df)> d8;
-  const hn::Rebind<uint16_t, decltype(df)> d16;
+  // Bit manipulation on 2 * Lanes(df) values at once in u16 lanes, then two f16 -> f32 widenings.
+  const hn::ScalableTag<uint16_t> d16;
+  const hn::Rebind<uint8_t, decltype(d16)> d8;
+  const hn::Half<decltype(d16)> d16h;
   const hn::Rebind<hwy::float16_t, decltype(df)> df16;
   const size_t n = hn::Lanes(df);
+  const size_t n2 = hn::Lanes(d16);  // = 2n; 128-column blocks (and cols, a multiple of 32) divide
   const auto sign = hn::Set(d16, 0x80);
   const auto mag = hn::Set(d16, 0x7F);
   hn::Vec<decltype(df)> total[NR][NT];
@@ -569,18 +572,23 @@ HWY_INLINE void Fp8DotRows(const uint8_t* const* w, const float* const* scale_ro
     for (int rr = 0; rr < NR; ++rr) {
       for (int t = 0; t < NT; ++t) acc[rr][t] = hn::Zero(df);
     }
-    for (size_t c = c0; c < c1; c += n) {
-      hn::Vec<decltype(df)> wf[NR];
+    for (size_t c = c0; c < c1; c += n2) {
+      hn::Vec<decltype(df)> wl[NR], wh[NR];
       for (int rr = 0; rr < NR; ++rr) {
         if ((c & 63) == 0) hwy::Prefetch(w[rr] + c + kPrefetchBytes);
         const auto b = hn::PromoteTo(d16, hn::LoadU(d8, w[rr] + c));
         const auto bits =
             hn::Or(hn::ShiftLeft<8>(hn::And(b, sign)), hn::ShiftLeft<7>(hn::And(b, mag)));
-        wf[rr] = hn::PromoteTo(df, hn::BitCast(df16, bits));
+        wl[rr] = hn::PromoteTo(df, hn::BitCast(df16, hn::LowerHalf(d16h, bits)));
+        wh[rr] = hn::PromoteTo(df, hn::BitCast(df16, hn::UpperHalf(d16h, bits)));
       }
       for (int t = 0; t < NT; ++t) {
-        const auto x = hn::LoadU(df, acts[t].xf + c);
-        for (int rr = 0; rr < NR; ++rr) acc[rr][t] = hn::MulAdd(wf[rr], x, acc[rr][t]);
+        const auto xl = hn::LoadU(df, acts[t].xf + c);
+        const auto xh = hn::LoadU(df, acts[t].xf + c + n);
+        for (int rr = 0; rr < NR; ++rr) {
+          acc[rr][t] = hn::MulAdd(wl[rr], xl, acc[rr][t]);
+          acc[rr][t] = hn::MulAdd(wh[rr], xh, acc[rr][t]);
+        }
       }
     }
     for (int rr = 0; rr < NR; ++rr) {
