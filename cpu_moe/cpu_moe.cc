@@ -149,7 +149,9 @@ absl::Status RunOnednnPart(const ExpertBank& bank, const Options& options,
       group_begin.push_back(group_begin.back() + count[e + 1]);
     }
   }
-  if (experts.empty()) return absl::OkStatus();
+  const int min_experts = options.onednn_min_experts >= 0 ? options.onednn_min_experts
+                                                           : 2 * OnednnExperts::MaxThreads();
+  if (experts.empty() || static_cast<int>(experts.size()) < min_experts) return absl::OkStatus();
   std::vector<int> slot(E, -1), pos(experts.size());
   for (size_t g = 0; g < experts.size(); ++g) {
     slot[experts[g]] = static_cast<int>(g);

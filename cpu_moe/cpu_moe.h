@@ -89,6 +89,12 @@ struct Options {
   // crossover measured by onednn_bench (cpu_moe/benchmarks/onednn_crossover.md).
   static constexpr int kDefaultOnednnMinTokens = 8;
   int onednn_min_tokens_per_expert = kDefaultOnednnMinTokens;
+  // ... and only when at least this many experts qualify; fewer go through the GEMV kernels too.
+  // oneDNN wins by spreading whole experts over its threads, one single-threaded GEMM each; with
+  // few experts each small GEMM is forked over every thread and its weights repacked, which on
+  // the GPU machine's 16-core host made a decode step (T=64, E=128, ~6 experts at >= 8 tokens)
+  // 1.75x slower than the GEMV kernels alone. -1: twice oneDNN's thread count.
+  int onednn_min_experts = -1;
 
   // Options with the environment's switches applied, read now (never cached):
   //   MOE_CPU_DEDUP=0 turns dedup off, MOE_CPU_DEBUG=1 turns debug on,

@@ -157,6 +157,7 @@ TEST_F(OnednnExpertsTest, MatchesReferenceAllAndMixed) {
         }
         Options o = base;
         o.onednn_min_tokens_per_expert = thr;
+        o.onednn_min_experts = 1;
         std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
         ForwardStats st;
         ASSERT_TRUE(
@@ -186,6 +187,7 @@ TEST_F(OnednnExpertsTest, Fp32InputBf16IoAndAccumulate) {
   const std::vector<float> x = RandomX(T, kH, false, rng);
   Options o;
   o.onednn_min_tokens_per_expert = 1;
+  o.onednn_min_experts = 1;
   std::vector<double> ref, scale, flip;
   ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, o, false, &ref, &scale, &flip);
   std::vector<float> y(x.size());
@@ -234,6 +236,7 @@ TEST_F(OnednnExpertsTest, PaddingIsInert) {
   for (int thr : {1, MixedThreshold(counts)}) {
     Options o;
     o.onednn_min_tokens_per_expert = thr;
+    o.onednn_min_experts = 1;
     std::vector<float> y(x.size(), 123.0f);
     ForwardStats st;
     ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st)
@@ -270,8 +273,11 @@ TEST_F(OnednnExpertsTest, ThresholdOffIsGemvPath) {
   std::vector<float> y0(x.size()), y1(x.size()), y2(x.size());
   Options off, high, on;
   off.onednn_min_tokens_per_expert = 0;
+  off.onednn_min_experts = 1;
   high.onednn_min_tokens_per_expert = T + 1;
+  high.onednn_min_experts = 1;
   on.onednn_min_tokens_per_expert = 1;
+  on.onednn_min_experts = 1;
   ForwardStats s0, s1;
   ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y0), off, pool_, &s0)
                   .ok());
@@ -367,6 +373,7 @@ TEST_F(OnednnExpertsTest, BrokenVariantsFail) {
                                    counts.begin());
   Options o;
   o.onednn_min_tokens_per_expert = MixedThreshold(counts);
+  o.onednn_min_experts = 1;
   ASSERT_GE(counts[top], o.onednn_min_tokens_per_expert);
   std::vector<float> y(x.size());
   ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_).ok());
@@ -402,6 +409,7 @@ TEST_F(OnednnExpertsTest, BrokenVariantsFail) {
   ExpertBank bad = hb.bank;
   bad.gate_up_weights = swapped.data();
   o.onednn_min_tokens_per_expert = 1;
+  o.onednn_min_experts = 1;
   ASSERT_TRUE(Forward(bad, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_).ok());
   EXPECT_GT(WorstRatio(y, ref, scale), 10.0);
 }
