@@ -12,13 +12,19 @@ import sys
 
 def main(path):
     data = json.load(open(path))
-    rows = {}
+    # With --benchmark_repetitions each case appears several times: keep the run with the median
+    # step time (aggregate rows are skipped).
+    runs = {}
     for b in data["benchmarks"]:
         parts = b["name"].split("/")
-        if parts[0] != "BM_CpuMoe" or "ms_per_step" not in b:
+        if parts[0] != "BM_CpuMoe" or "ms_per_step" not in b or b.get("run_type") == "aggregate":
             continue
         fmt, e, t, dedup = parts[1], int(parts[2]), int(parts[3]), int(parts[4])
-        rows.setdefault((fmt, e, t), {})[dedup] = b
+        runs.setdefault((fmt, e, t, dedup), []).append(b)
+    rows = {}
+    for (fmt, e, t, dedup), bs in runs.items():
+        bs.sort(key=lambda b: b["ms_per_step"])
+        rows.setdefault((fmt, e, t), {})[dedup] = bs[len(bs) // 2]
     print("| format | E | T | ms off | ms on | reuse | speedup | speedup/reuse | bw_frac off | "
           "bw_frac on | on / (unique/DRAM) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
