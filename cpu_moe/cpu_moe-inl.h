@@ -53,11 +53,11 @@ constexpr int TileOf() {
              ? 8
              : 4;
 }
-// Bytes ahead of the current position that the row kernels prefetch in the weight stream. Rows of
-// a work item are contiguous, so the prefetch runs on into the next row; the hardware prefetcher
-// alone stalls at every 4 KiB page, and one core needs about 1-2 KiB in flight to approach its
-// share of DRAM bandwidth.
-constexpr size_t kPrefetchBytes = 1024;
+// Bytes ahead of the current position that the row kernels prefetch in the weight stream
+// (Options::prefetch_bytes, default 1024; 0: no software prefetch), carried in MatrixRef::prefetch.
+// Rows of a work item are contiguous, so the prefetch runs on into the next row; the hardware
+// prefetcher alone stalls at every 4 KiB page, and one core needs about 1-2 KiB in flight to
+// approach its share of DRAM bandwidth.
 
 // ---------------------------------------------------------------------------------------------
 // Activations, prepared once per call in the layout the weight format's row kernel wants.
@@ -193,6 +193,7 @@ struct MatrixRef {
   const float* globals;
   size_t rows;
   size_t cols;
+  size_t prefetch;  // bytes ahead to prefetch in the row kernels (0: none); see above
 };
 
 // sum_m u[m] * x[m] over groups of four bytes, added to the int32 lanes of acc. u is unsigned
@@ -436,7 +437,7 @@ HWY_INLINE void QuantChunk(D8 d8, DF df, const QuantRow& q, size_t b, hn::Vec<D8
 // every activation load; each (row, token) has its own accumulator.
 template <common::WeightFormat F, int NR, int NT, class D8>
 HWY_INLINE size_t QuantDotLevel(D8 d8, const QuantRow* q, const ActView* acts, size_t b,
-                                size_t nbytes, float (*HWY_RESTRICT sums)[kTile]) {
+                                size_t nbytes, size_t pf, float (*HWY_RESTRICT sums)[kTile]) {
   const size_t n = hn::Lanes(d8);
   if (b + n > nbytes) return b;
   // Offsets of hi, xs and neg from lo in an activation vector (nbytes = k / 2).
@@ -455,10 +456,11 @@ HWY_INLINE size_t QuantDotLevel(D8 d8, const QuantRow* q, const ActView* acts, s
     hn::Vec<decltype(df)> ws[NR];
     for (int rr = 0; rr < NR; ++rr) {
       if constexpr (hn::MaxLanes(D8()) >= 32) {
-        hwy::Prefetch(PackedAddr<F>(q[rr], b) + kPrefetchBytes);
-        if constexpr (F != common::WeightFormat::kQ4_0) {
-          hwy::Prefetch(q[rr].scales +
-                        (b + kPrefetchBytes) / (F == common::WeightFormat::kNvfp4 ? 8 : 16));
+        if (pf != 0) {
+          hwy::Prefetch(PackedAddr<F>(q[rr], b) + pf);
+          if constexpr (F != common::WeightFormat::kQ4_0) {
+            hwy::Prefetch(q[rr].scales + (b + pf) / (F == common::WeightFormat::kNvfp4 ? 8 : 16));
+          }
         }
       }
       hn::Vec<D8> raw;
@@ -491,16 +493,16 @@ HWY_INLINE size_t QuantDotLevel(D8 d8, const QuantRow* q, const ActView* acts, s
 
 template <common::WeightFormat F, int NR, int NT, class D8>
 HWY_INLINE void QuantDotAll(D8 d8, const QuantRow* q, const ActView* acts, size_t b,
-                            size_t nbytes, float (*sums)[kTile]) {
-  b = QuantDotLevel<F, NR, NT>(d8, q, acts, b, nbytes, sums);
+                            size_t nbytes, size_t pf, float (*sums)[kTile]) {
+  b = QuantDotLevel<F, NR, NT>(d8, q, acts, b, nbytes, pf, sums);
   if constexpr (hn::MaxLanes(D8()) > 16) {
-    if (b < nbytes) QuantDotAll<F, NR, NT>(hn::Half<D8>(), q, acts, b, nbytes, sums);
+    if (b < nbytes) QuantDotAll<F, NR, NT>(hn::Half<D8>(), q, acts, b, nbytes, pf, sums);
   }
 }
 
 template <int NR, int NT, class DF>
 HWY_INLINE size_t Bf16DotLevel(DF df, const uint16_t* const* w, const ActView* acts, size_t i,
-                               size_t npairs, float (*HWY_RESTRICT sums)[kTile]) {
+                               size_t npairs, size_t pf, float (*HWY_RESTRICT sums)[kTile]) {
   // i counts element pairs (u32 lanes).
   const size_t n = hn::Lanes(df);
   if (i + n > npairs) return i;
@@ -515,7 +517,7 @@ HWY_INLINE size_t Bf16DotLevel(DF df, const uint16_t* const* w, const ActView* a
     hn::Vec<DF> we[NR], wo[NR];
     for (int rr = 0; rr < NR; ++rr) {
       if constexpr (hn::MaxLanes(DF()) >= 8) {
-        hwy::Prefetch(reinterpret_cast<const uint8_t*>(w[rr] + 2 * i) + kPrefetchBytes);
+        if (pf != 0) hwy::Prefetch(reinterpret_cast<const uint8_t*>(w[rr] + 2 * i) + pf);
       }
       const auto w32 = hn::BitCast(du32, hn::LoadU(du16, w[rr] + 2 * i));
       we[rr] = hn::BitCast(df, hn::ShiftLeft<16>(w32));
@@ -540,10 +542,10 @@ HWY_INLINE size_t Bf16DotLevel(DF df, const uint16_t* const* w, const ActView* a
 
 template <int NR, int NT, class DF>
 HWY_INLINE void Bf16DotAll(DF df, const uint16_t* const* w, const ActView* acts, size_t i,
-                           size_t npairs, float (*sums)[kTile]) {
-  i = Bf16DotLevel<NR, NT>(df, w, acts, i, npairs, sums);
+                           size_t npairs, size_t pf, float (*sums)[kTile]) {
+  i = Bf16DotLevel<NR, NT>(df, w, acts, i, npairs, pf, sums);
   if constexpr (hn::MaxLanes(DF()) > 4) {
-    if (i < npairs) Bf16DotAll<NR, NT>(hn::Half<DF>(), w, acts, i, npairs, sums);
+    if (i < npairs) Bf16DotAll<NR, NT>(hn::Half<DF>(), w, acts, i, npairs, pf, sums);
   }
 }
 
@@ -551,7 +553,7 @@ HWY_INLINE void Bf16DotAll(DF df, const uint16_t* const* w, const ActView* acts,
 // 13..7 gives an f16 of value e4m3 / 256 (subnormals included), which F16C widens exactly.
 template <int NR, int NT>
 HWY_INLINE void Fp8DotRows(const uint8_t* const* w, const float* const* scale_row, size_t cols,
-                           const ActView* acts, float (*HWY_RESTRICT sums)[kTile]) {
+                           size_t pf, const ActView* acts, float (*HWY_RESTRICT sums)[kTile]) {
   const hn::ScalableTag<float> df;
   // Bit manipulation on 2 * Lanes(df) values at once in u16 lanes, then two f16 -> f32 widenings.
   const hn::ScalableTag<uint16_t> d16;
@@ -575,7 +577,7 @@ HWY_INLINE void Fp8DotRows(const uint8_t* const* w, const float* const* scale_ro
     for (size_t c = c0; c < c1; c += n2) {
       hn::Vec<decltype(df)> wl[NR], wh[NR];
       for (int rr = 0; rr < NR; ++rr) {
-        if ((c & 63) == 0) hwy::Prefetch(w[rr] + c + kPrefetchBytes);
+        if (pf != 0 && (c & 63) == 0) hwy::Prefetch(w[rr] + c + pf);
         const auto b = hn::PromoteTo(d16, hn::LoadU(d8, w[rr] + c));
         const auto bits =
             hn::Or(hn::ShiftLeft<8>(hn::And(b, sign)), hn::ShiftLeft<7>(hn::And(b, mag)));
@@ -612,7 +614,7 @@ HWY_INLINE void DotRowsN(const MatrixRef& m, size_t e, const size_t* r, const Ac
   if constexpr (IsQuant<F>()) {
     QuantRow q[NR];
     for (int rr = 0; rr < NR; ++rr) q[rr] = MakeQuantRow<F>(m, e, r[rr]);
-    QuantDotAll<F, NR, NT>(hn::ScalableTag<uint8_t>(), q, acts, 0, k / 2, sums);
+    QuantDotAll<F, NR, NT>(hn::ScalableTag<uint8_t>(), q, acts, 0, k / 2, m.prefetch, sums);
     for (int rr = 0; rr < NR; ++rr) {
       for (int t = 0; t < NT; ++t) sums[rr][t] *= q[rr].post;
     }
@@ -621,7 +623,7 @@ HWY_INLINE void DotRowsN(const MatrixRef& m, size_t e, const size_t* r, const Ac
     for (int rr = 0; rr < NR; ++rr) {
       w[rr] = static_cast<const uint16_t*>(m.weights) + (e * m.rows + r[rr]) * k;
     }
-    Bf16DotAll<NR, NT>(hn::ScalableTag<float>(), w, acts, 0, k / 2, sums);
+    Bf16DotAll<NR, NT>(hn::ScalableTag<float>(), w, acts, 0, k / 2, m.prefetch, sums);
   } else {
     const size_t bcols = (k + common::kFp8BlockSize - 1) / common::kFp8BlockSize;
     const size_t brows = (m.rows + common::kFp8BlockSize - 1) / common::kFp8BlockSize;
@@ -632,7 +634,7 @@ HWY_INLINE void DotRowsN(const MatrixRef& m, size_t e, const size_t* r, const Ac
       scale_row[rr] = static_cast<const float*>(m.scales) + e * brows * bcols +
                       (r[rr] / common::kFp8BlockSize) * bcols;
     }
-    Fp8DotRows<NR, NT>(w, scale_row, k, acts, sums);
+    Fp8DotRows<NR, NT>(w, scale_row, k, m.prefetch, acts, sums);
   }
 }
 
@@ -661,11 +663,11 @@ HWY_INLINE void DotRowsMany(const MatrixRef& m, size_t e, const size_t* r, const
   }
 }
 
-// Prefetches the start of row r of expert e (the software prefetch inside the row kernels runs
-// kPrefetchBytes ahead from there).
+// Prefetches the start of row r of expert e, m.prefetch bytes of it (the software prefetch inside
+// the row kernels runs m.prefetch ahead from there); nothing when m.prefetch is 0.
 HWY_INLINE void PrefetchRow(const MatrixRef& m, size_t e, size_t r, size_t bytes_per_row) {
   const uint8_t* p = static_cast<const uint8_t*>(m.weights) + (e * m.rows + r) * bytes_per_row;
-  for (size_t o = 0; o < bytes_per_row && o < kPrefetchBytes; o += 64) hwy::Prefetch(p + o);
+  for (size_t o = 0; o < bytes_per_row && o < m.prefetch; o += 64) hwy::Prefetch(p + o);
 }
 
 inline size_t RowBytes(common::WeightFormat f, size_t cols) {
@@ -688,8 +690,11 @@ inline float Silu(float g) { return g / (1.0f + std::exp(-g)); }
 template <common::WeightFormat F>
 constexpr bool kFuseRows = true;
 
-constexpr size_t kPass1RowBlock = 16;  // gate rows (and as many up rows) per pass-1 item
-constexpr size_t kPass2RowBlock = 16;  // H rows per pass-2 item
+// Rows per work item (Options::pass1_rows / pass2_rows, validated by Forward): gate rows (and as
+// many up rows) per pass-1 item, H rows per pass-2 item (even, so the row pairs of pass 2 are the
+// same for every block size). Neither changes any row's arithmetic: a pass-1 row is computed
+// whole by one item, and a pass-2 item owns its output rows, adding routes in group order.
+constexpr size_t kMaxPass2RowBlock = Options::kMaxRowsPerItem;
 
 template <common::WeightFormat F>
 void ForwardFormat(ForwardPlan& plan) {
@@ -700,10 +705,14 @@ void ForwardFormat(ForwardPlan& plan) {
   const size_t R = plan.route_token.size();
   const size_t T = plan.num_tokens;
   const int workers = pool.num_workers() + 1;
+  const size_t pass1_rows = static_cast<size_t>(opt.pass1_rows);
+  const size_t pass2_rows = static_cast<size_t>(opt.pass2_rows);
+  const size_t prefetch = static_cast<size_t>(opt.prefetch_bytes);
 
   const MatrixRef gate_up{bank.gate_up_weights, bank.gate_up_scales, bank.gate_up_global_scales,
-                          2 * I, H};
-  const MatrixRef down{bank.down_weights, bank.down_scales, bank.down_global_scales, H, I};
+                          2 * I, H, prefetch};
+  const MatrixRef down{bank.down_weights, bank.down_scales, bank.down_global_scales, H, I,
+                       prefetch};
 
   // Tokens that have at least one route, and the x activations of those.
   std::vector<int> token_slot(T, -1);
@@ -735,12 +744,12 @@ void ForwardFormat(ForwardPlan& plan) {
 
   // Pass 1: h[route, I] = act(gate x, up x).
   common::AlignedBuffer<float> h(std::max<size_t>(1, R * I));
-  const size_t nrb = (I + kPass1RowBlock - 1) / kPass1RowBlock;
+  const size_t nrb = (I + pass1_rows - 1) / pass1_rows;
   const size_t row_bytes1 = RowBytes(F, H);
   pool.ParallelFor(plan.groups.size() * nrb, [&](uint64_t item, int) {
     const internal::ExpertGroup& g = plan.groups[item / nrb];
-    const size_t r0 = (item % nrb) * kPass1RowBlock;
-    const size_t r1 = std::min(I, r0 + kPass1RowBlock);
+    const size_t r0 = (item % nrb) * pass1_rows;
+    const size_t r1 = std::min(I, r0 + pass1_rows);
     const int n = g.end - g.begin;
     ActView acts[64];
     float gs[64], us[64];
@@ -781,7 +790,7 @@ void ForwardFormat(ForwardPlan& plan) {
   pool.ParallelFor(R, [&](uint64_t r, int) { hacts.Prepare(r, h.data() + r * I); });
 
   // Pass 2: y[t, H-block] = sum over routes of w * down_e h.
-  const size_t nhb = (H + kPass2RowBlock - 1) / kPass2RowBlock;
+  const size_t nhb = (H + pass2_rows - 1) / pass2_rows;
   const size_t row_bytes2 = RowBytes(F, I);
   auto write_y = [&](size_t t, size_t h0, size_t h1, const float* vals) {
     if (plan.y_dtype == DType::kF32) {
@@ -801,7 +810,7 @@ void ForwardFormat(ForwardPlan& plan) {
     // once and reused across its routes; accumulation in private fp32.
     std::vector<std::vector<float>> accs(workers);
     pool.ParallelFor(nhb, [&](uint64_t hb, int worker) {
-      const size_t h0 = hb * kPass2RowBlock, h1 = std::min(H, h0 + kPass2RowBlock);
+      const size_t h0 = hb * pass2_rows, h1 = std::min(H, h0 + pass2_rows);
       const size_t nb = h1 - h0;
       std::vector<float>& acc = accs[worker];
       acc.assign(active_tokens.size() * nb, 0.0f);
@@ -839,8 +848,9 @@ void ForwardFormat(ForwardPlan& plan) {
   } else {
     pool.ParallelFor(active_tokens.size() * nhb, [&](uint64_t item, int) {
       const size_t t = active_tokens[item / nhb];
-      const size_t h0 = (item % nhb) * kPass2RowBlock, h1 = std::min(H, h0 + kPass2RowBlock);
-      float acc[kPass2RowBlock] = {};
+      const size_t h0 = (item % nhb) * pass2_rows, h1 = std::min(H, h0 + pass2_rows);
+      float acc[kMaxPass2RowBlock];
+      std::fill_n(acc, h1 - h0, 0.0f);
       const int rb = plan.token_route_begin[t], re = plan.token_route_begin[t + 1];
       PrefetchRow(down, plan.route_expert[rb], h0, row_bytes2);
       for (int route = rb; route < re; ++route) {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status.h"
@@ -240,6 +241,35 @@ bool EnvFlag(const char* name, bool* value) {
   return true;
 }
 
+// Sets *value from the variable when it is set and non-empty; a value that is not an integer
+// becomes -1 (out of every tuning option's range, so Forward reports it).
+void EnvInt(const char* name, int* value) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return;
+  int n;
+  *value = absl::SimpleAtoi(v, &n) ? n : -1;
+}
+
+absl::Status ValidateTuning(const Options& o) {
+  if (o.prefetch_bytes < 0 || o.prefetch_bytes > Options::kMaxPrefetchBytes ||
+      o.prefetch_bytes % 64 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefetch_bytes (MOE_CPU_PREFETCH_BYTES) = ", o.prefetch_bytes,
+        " must be 0 (off) or a multiple of 64 in [64, ", Options::kMaxPrefetchBytes, "]"));
+  }
+  if (o.pass1_rows < 1 || o.pass1_rows > Options::kMaxRowsPerItem) {
+    return absl::InvalidArgumentError(absl::StrCat("pass1_rows (MOE_CPU_PASS1_ROWS) = ",
+                                                   o.pass1_rows, " must be in [1, ",
+                                                   Options::kMaxRowsPerItem, "]"));
+  }
+  if (o.pass2_rows < 2 || o.pass2_rows > Options::kMaxRowsPerItem || o.pass2_rows % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("pass2_rows (MOE_CPU_PASS2_ROWS) = ",
+                                                   o.pass2_rows, " must be even in [2, ",
+                                                   Options::kMaxRowsPerItem, "]"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 size_t ExpertBank::GateUpBytesPerExpert() const {
@@ -257,6 +287,9 @@ Options Options::FromEnv() {
   if (const char* v = std::getenv("MOE_CPU_ONEDNN_MIN_TOKENS"); v != nullptr && *v != '\0') {
     o.onednn_min_tokens_per_expert = std::max(0, std::atoi(v));
   }
+  EnvInt("MOE_CPU_PREFETCH_BYTES", &o.prefetch_bytes);
+  EnvInt("MOE_CPU_PASS1_ROWS", &o.pass1_rows);
+  EnvInt("MOE_CPU_PASS2_ROWS", &o.pass2_rows);
   return o;
 }
 
@@ -273,6 +306,7 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
                      const void* x, DType x_dtype, void* y, DType y_dtype, const Options& options,
                      common::ThreadPool& pool, ForwardStats* stats) {
   RETURN_IF_ERROR(ValidateBank(bank));
+  RETURN_IF_ERROR(ValidateTuning(options));
   if (num_tokens < 0 || top_k <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_tokens=", num_tokens, " top_k=", top_k, " out of range"));

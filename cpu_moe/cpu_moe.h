@@ -96,10 +96,27 @@ struct Options {
   // 1.75x slower than the GEMV kernels alone. -1: twice oneDNN's thread count.
   int onednn_min_experts = -1;
 
+  // Memory-system tuning (for sweeps on the target host; results are bit-identical for every
+  // valid setting, only the speed changes). Forward rejects values out of range.
+  // Bytes ahead of the current position that the row kernels prefetch in the weight stream (and
+  // how much of the next row / expert's rows is prefetched up front). 0 turns software prefetch
+  // off; otherwise a multiple of 64 in [64, kMaxPrefetchBytes].
+  static constexpr int kMaxPrefetchBytes = 8192;
+  int prefetch_bytes = 1024;
+  // Rows per work item: pass 1 gate rows (each with its up row) per item, any value in
+  // [1, kMaxRowsPerItem]; pass 2 H rows per item, even (rows are dotted in adjacent pairs) in
+  // [2, kMaxRowsPerItem].
+  static constexpr int kMaxRowsPerItem = 256;
+  int pass1_rows = 16;
+  int pass2_rows = 16;
+
   // Options with the environment's switches applied, read now (never cached):
   //   MOE_CPU_DEDUP=0 turns dedup off, MOE_CPU_DEBUG=1 turns debug on,
   //   MOE_CPU_MAX_TARGET=<name> caps the target,
-  //   MOE_CPU_ONEDNN_MIN_TOKENS=<n> sets onednn_min_tokens_per_expert (0: oneDNN off).
+  //   MOE_CPU_ONEDNN_MIN_TOKENS=<n> sets onednn_min_tokens_per_expert (0: oneDNN off),
+  //   MOE_CPU_PREFETCH_BYTES=<n>, MOE_CPU_PASS1_ROWS=<n>, MOE_CPU_PASS2_ROWS=<n> set
+  //   prefetch_bytes, pass1_rows, pass2_rows (a value that is not an integer becomes -1, which
+  //   Forward rejects).
   static Options FromEnv();
 };
 

@@ -283,6 +283,15 @@ int main(int argc, char** argv) {
                                 }
                                 return s;
                               }());
+  {
+    // The memory-system tuning in effect (MOE_CPU_PREFETCH_BYTES / _PASS1_ROWS / _PASS2_ROWS), so
+    // each JSON of a sweep says which setting it measured.
+    const moe::cpu_moe::Options o = moe::cpu_moe::Options::FromEnv();
+    benchmark::AddCustomContext("cpu_moe_tuning",
+                                absl::StrCat("prefetch_bytes=", o.prefetch_bytes,
+                                             " pass1_rows=", o.pass1_rows,
+                                             " pass2_rows=", o.pass2_rows));
+  }
   moe::cpu_moe::RegisterAll();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

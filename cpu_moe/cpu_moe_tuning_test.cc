@@ -1,0 +1,170 @@
+// Runtime tuning options (prefetch distance, rows per work item): every setting gives y bit for
+// bit equal to the defaults', and bad values are InvalidArgument.
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/formats.h"
+#include "common/thread_pool.h"
+#include "cpu_moe/cpu_moe.h"
+#include "cpu_moe/test_bank.h"
+#include "gtest/gtest.h"
+
+namespace moe::cpu_moe {
+namespace {
+
+using common::WeightFormat;
+using testing::HostBank;
+using testing::MakeRandomBank;
+
+constexpr int kE = 16, kH = 224, kI = 160, kTopK = 4;
+
+struct Case {
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+  std::vector<float> x;
+};
+
+Case MakeCase(int T, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Case c;
+  std::uniform_real_distribution<float> uw(0.05f, 1.0f);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (int t = 0; t < T; ++t) {
+    // Distinct experts per token, skewed towards low ids so that T=16 shares experts.
+    std::vector<int> pool;
+    for (int e = 0; e < kE; ++e) pool.push_back(e);
+    for (int j = 0; j < kTopK; ++j) {
+      const int i = static_cast<int>(rng() % std::min<size_t>(pool.size(), 6));
+      c.ids.push_back(pool[i]);
+      pool.erase(pool.begin() + i);
+      c.weights.push_back(uw(rng));
+    }
+  }
+  c.x.resize(static_cast<size_t>(T) * kH);
+  for (float& v : c.x) v = n(rng);
+  return c;
+}
+
+std::vector<float> RunForward(const HostBank& hb, int T, const Case& c, const Options& o,
+                       common::ThreadPool& pool) {
+  std::vector<float> y(c.x.size(), 0.0f);
+  const absl::Status st =
+      Forward(hb.bank, T, kTopK, c.ids, c.weights, c.x, absl::MakeSpan(y), o, pool);
+  EXPECT_TRUE(st.ok()) << st;
+  return y;
+}
+
+// Every format that matters for the sweep (bf16, q4_0) x every compiled+supported target x
+// T in {1, 16} x dedup on/off: each tuning setting gives the defaults' y bit for bit. oneDNN is
+// off (its runs differ run to run; it does not use these options).
+TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
+  common::ThreadPool pool(2);
+  struct Setting {
+    int prefetch, pass1, pass2;
+  };
+  std::vector<Setting> settings;
+  for (int pf : {0, 256, 4096}) {
+    for (int p1 : {16, 64}) {
+      for (int p2 : {16, 64}) settings.push_back({pf, p1, p2});
+    }
+  }
+  // Extremes: 1-row pass-1 items, one row pair per pass-2 item; the largest values.
+  settings.push_back({64, 1, 2});
+  settings.push_back({Options::kMaxPrefetchBytes, 3, Options::kMaxRowsPerItem});
+  settings.push_back({1024, Options::kMaxRowsPerItem, 6});
+  for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kQ4_0}) {
+    const HostBank hb = MakeRandomBank(f, kE, kH, kI, 41 + static_cast<int>(f), false);
+    for (const std::string& target : AvailableTargets()) {
+      for (int T : {1, 16}) {
+        const Case c = MakeCase(T, 100 + T);
+        for (bool dedup : {true, false}) {
+          Options base;
+          base.max_target = target;
+          base.dedup = dedup;
+          base.onednn_min_tokens_per_expert = 0;
+          const std::vector<float> y0 = RunForward(hb, T, c, base, pool);
+          for (const Setting& s : settings) {
+            Options o = base;
+            o.prefetch_bytes = s.prefetch;
+            o.pass1_rows = s.pass1;
+            o.pass2_rows = s.pass2;
+            const std::vector<float> y = RunForward(hb, T, c, o, pool);
+            // memcmp: bit for bit (NaN-safe, -0 vs +0 distinguished).
+            EXPECT_EQ(std::memcmp(y.data(), y0.data(), y.size() * sizeof(float)), 0)
+                << common::WeightFormatName(f) << " " << target << " T=" << T
+                << " dedup=" << dedup << " prefetch=" << s.prefetch << " pass1=" << s.pass1
+                << " pass2=" << s.pass2;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuMoeTuningTest, BadValuesAreInvalidArgument) {
+  common::ThreadPool pool(2);
+  const HostBank hb = MakeRandomBank(WeightFormat::kBf16, 4, 64, 32, 1, false);
+  std::vector<int32_t> ids = {0, 1};
+  std::vector<float> w = {0.5f, 0.5f}, x(64, 1.0f), y(64);
+  struct Bad {
+    int prefetch, pass1, pass2;
+    const char* name;
+  };
+  for (const Bad& b : {Bad{-64, 16, 16, "prefetch_bytes"}, Bad{100, 16, 16, "prefetch_bytes"},
+                       Bad{8192 + 64, 16, 16, "prefetch_bytes"}, Bad{1024, 0, 16, "pass1_rows"},
+                       Bad{1024, -1, 16, "pass1_rows"}, Bad{1024, 257, 16, "pass1_rows"},
+                       Bad{1024, 16, 0, "pass2_rows"}, Bad{1024, 16, 15, "pass2_rows"},
+                       Bad{1024, 16, 258, "pass2_rows"}}) {
+    Options o;
+    o.prefetch_bytes = b.prefetch;
+    o.pass1_rows = b.pass1;
+    o.pass2_rows = b.pass2;
+    const absl::Status st = Forward(hb.bank, 1, 2, ids, w, x, absl::MakeSpan(y), o, pool);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << b.name;
+    EXPECT_NE(std::string(st.message()).find(b.name), std::string::npos) << st;
+  }
+  // The bounds themselves are accepted.
+  for (const Bad& b : {Bad{0, 1, 2, ""}, Bad{8192, 256, 256, ""}, Bad{64, 16, 16, ""}}) {
+    Options o;
+    o.prefetch_bytes = b.prefetch;
+    o.pass1_rows = b.pass1;
+    o.pass2_rows = b.pass2;
+    EXPECT_TRUE(Forward(hb.bank, 1, 2, ids, w, x, absl::MakeSpan(y), o, pool).ok());
+  }
+}
+
+// Read at FromEnv() time, every time; garbage becomes an error in Forward, not the default.
+TEST(CpuMoeTuningTest, EnvReadWhenOptionsAreBuilt) {
+  const Options d;
+  EXPECT_EQ(d.prefetch_bytes, 1024);
+  EXPECT_EQ(d.pass1_rows, 16);
+  EXPECT_EQ(d.pass2_rows, 16);
+  setenv("MOE_CPU_PREFETCH_BYTES", "2048", 1);
+  setenv("MOE_CPU_PASS1_ROWS", "32", 1);
+  setenv("MOE_CPU_PASS2_ROWS", "64", 1);
+  const Options a = Options::FromEnv();
+  EXPECT_EQ(a.prefetch_bytes, 2048);
+  EXPECT_EQ(a.pass1_rows, 32);
+  EXPECT_EQ(a.pass2_rows, 64);
+  setenv("MOE_CPU_PREFETCH_BYTES", "0", 1);
+  setenv("MOE_CPU_PASS1_ROWS", "abc", 1);
+  unsetenv("MOE_CPU_PASS2_ROWS");
+  const Options b = Options::FromEnv();
+  EXPECT_EQ(b.prefetch_bytes, 0);
+  EXPECT_EQ(b.pass1_rows, -1);
+  EXPECT_EQ(b.pass2_rows, 16);
+  unsetenv("MOE_CPU_PREFETCH_BYTES");
+  unsetenv("MOE_CPU_PASS1_ROWS");
+  const Options c = Options::FromEnv();
+  EXPECT_EQ(c.prefetch_bytes, 1024);
+  EXPECT_EQ(c.pass1_rows, 16);
+}
+
+}  // namespace
+}  // namespace moe::cpu_moe
