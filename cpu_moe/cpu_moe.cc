@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -242,12 +243,23 @@ bool EnvFlag(const char* name, bool* value) {
 }
 
 // Sets *value from the variable when it is set and non-empty; a value that is not an integer
-// becomes -1 (out of every tuning option's range, so Forward reports it).
+// becomes INT_MIN (out of every tuning option's range, so Forward reports it).
 void EnvInt(const char* name, int* value) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return;
   int n;
-  *value = absl::SimpleAtoi(v, &n) ? n : -1;
+  *value = absl::SimpleAtoi(v, &n) ? n : std::numeric_limits<int>::min();
+}
+
+// Options with every kAuto tuning value replaced by the format's own (see Options::kAuto).
+Options ResolveTuning(const Options& options, WeightFormat format) {
+  Options o = options;
+  const bool four_bit = format == WeightFormat::kQ4_0 || format == WeightFormat::kNvfp4 ||
+                        format == WeightFormat::kMxfp4;
+  if (o.prefetch_bytes == Options::kAuto) o.prefetch_bytes = four_bit ? 1024 : 4096;
+  if (o.pass1_rows == Options::kAuto) o.pass1_rows = four_bit ? 64 : 16;
+  if (o.pass2_rows == Options::kAuto) o.pass2_rows = four_bit ? 64 : 16;
+  return o;
 }
 
 absl::Status ValidateTuning(const Options& o) {
@@ -306,7 +318,8 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
                      const void* x, DType x_dtype, void* y, DType y_dtype, const Options& options,
                      common::ThreadPool& pool, ForwardStats* stats) {
   RETURN_IF_ERROR(ValidateBank(bank));
-  RETURN_IF_ERROR(ValidateTuning(options));
+  const Options resolved = ResolveTuning(options, bank.format);
+  RETURN_IF_ERROR(ValidateTuning(resolved));
   if (num_tokens < 0 || top_k <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_tokens=", num_tokens, " top_k=", top_k, " out of range"));
@@ -324,7 +337,7 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
 
   internal::ForwardPlan plan;
   plan.bank = &bank;
-  plan.options = &options;
+  plan.options = &resolved;
   plan.pool = &pool;
   plan.num_tokens = num_tokens;
   plan.top_k = top_k;
@@ -349,7 +362,7 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   }
   // Prefill: experts with many routes go through oneDNN first; the rest stay in `plan`.
   OnednnPart onednn;
-  RETURN_IF_ERROR(RunOnednnPart(bank, options, plan, &onednn));
+  RETURN_IF_ERROR(RunOnednnPart(bank, resolved, plan, &onednn));
   const int num_routes = static_cast<int>(plan.route_token.size());
 
   // Counting sort of routes by expert (stable: token order within an expert).

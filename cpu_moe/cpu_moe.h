@@ -97,26 +97,32 @@ struct Options {
   int onednn_min_experts = -1;
 
   // Memory-system tuning (for sweeps on the target host; results are bit-identical for every
-  // valid setting, only the speed changes). Forward rejects values out of range.
+  // valid setting, only the speed changes). Forward rejects values out of range. kAuto picks the
+  // per-format values measured best on the GPU machine's 16-core host (sweep of 2026-11-30,
+  // benchmarks/host_sweep_h200host_2026-11-30.md): bf16 and fp8 rows prefetch 4096 bytes ahead
+  // with 16 rows per item (bf16 T=1 99 -> 113 GB/s over 1024 bytes); the 4-bit formats prefetch
+  // 1024 bytes ahead (four times as many rows of their smaller rows) with 64 rows per item
+  // (q4_0 T=1 80 -> 88, nvfp4 78 -> 87 GB/s over 16 rows).
+  static constexpr int kAuto = -1;
   // Bytes ahead of the current position that the row kernels prefetch in the weight stream (and
   // how much of the next row / expert's rows is prefetched up front). 0 turns software prefetch
   // off; otherwise a multiple of 64 in [64, kMaxPrefetchBytes].
   static constexpr int kMaxPrefetchBytes = 8192;
-  int prefetch_bytes = 1024;
+  int prefetch_bytes = kAuto;
   // Rows per work item: pass 1 gate rows (each with its up row) per item, any value in
   // [1, kMaxRowsPerItem]; pass 2 H rows per item, even (rows are dotted in adjacent pairs) in
   // [2, kMaxRowsPerItem].
   static constexpr int kMaxRowsPerItem = 256;
-  int pass1_rows = 16;
-  int pass2_rows = 16;
+  int pass1_rows = kAuto;
+  int pass2_rows = kAuto;
 
   // Options with the environment's switches applied, read now (never cached):
   //   MOE_CPU_DEDUP=0 turns dedup off, MOE_CPU_DEBUG=1 turns debug on,
   //   MOE_CPU_MAX_TARGET=<name> caps the target,
   //   MOE_CPU_ONEDNN_MIN_TOKENS=<n> sets onednn_min_tokens_per_expert (0: oneDNN off),
   //   MOE_CPU_PREFETCH_BYTES=<n>, MOE_CPU_PASS1_ROWS=<n>, MOE_CPU_PASS2_ROWS=<n> set
-  //   prefetch_bytes, pass1_rows, pass2_rows (a value that is not an integer becomes -1, which
-  //   Forward rejects).
+  //   prefetch_bytes, pass1_rows, pass2_rows (-1: kAuto; a value that is not an integer is
+  //   kept as INT_MIN, which Forward rejects).
   static Options FromEnv();
 };
 

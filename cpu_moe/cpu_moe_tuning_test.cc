@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -118,7 +119,7 @@ TEST(CpuMoeTuningTest, BadValuesAreInvalidArgument) {
   };
   for (const Bad& b : {Bad{-64, 16, 16, "prefetch_bytes"}, Bad{100, 16, 16, "prefetch_bytes"},
                        Bad{8192 + 64, 16, 16, "prefetch_bytes"}, Bad{1024, 0, 16, "pass1_rows"},
-                       Bad{1024, -1, 16, "pass1_rows"}, Bad{1024, 257, 16, "pass1_rows"},
+                       Bad{1024, -2, 16, "pass1_rows"}, Bad{1024, 257, 16, "pass1_rows"},
                        Bad{1024, 16, 0, "pass2_rows"}, Bad{1024, 16, 15, "pass2_rows"},
                        Bad{1024, 16, 258, "pass2_rows"}}) {
     Options o;
@@ -142,9 +143,9 @@ TEST(CpuMoeTuningTest, BadValuesAreInvalidArgument) {
 // Read at FromEnv() time, every time; garbage becomes an error in Forward, not the default.
 TEST(CpuMoeTuningTest, EnvReadWhenOptionsAreBuilt) {
   const Options d;
-  EXPECT_EQ(d.prefetch_bytes, 1024);
-  EXPECT_EQ(d.pass1_rows, 16);
-  EXPECT_EQ(d.pass2_rows, 16);
+  EXPECT_EQ(d.prefetch_bytes, Options::kAuto);
+  EXPECT_EQ(d.pass1_rows, Options::kAuto);
+  EXPECT_EQ(d.pass2_rows, Options::kAuto);
   setenv("MOE_CPU_PREFETCH_BYTES", "2048", 1);
   setenv("MOE_CPU_PASS1_ROWS", "32", 1);
   setenv("MOE_CPU_PASS2_ROWS", "64", 1);
@@ -157,13 +158,13 @@ TEST(CpuMoeTuningTest, EnvReadWhenOptionsAreBuilt) {
   unsetenv("MOE_CPU_PASS2_ROWS");
   const Options b = Options::FromEnv();
   EXPECT_EQ(b.prefetch_bytes, 0);
-  EXPECT_EQ(b.pass1_rows, -1);
-  EXPECT_EQ(b.pass2_rows, 16);
+  EXPECT_EQ(b.pass1_rows, std::numeric_limits<int>::min());
+  EXPECT_EQ(b.pass2_rows, Options::kAuto);
   unsetenv("MOE_CPU_PREFETCH_BYTES");
   unsetenv("MOE_CPU_PASS1_ROWS");
   const Options c = Options::FromEnv();
-  EXPECT_EQ(c.prefetch_bytes, 1024);
-  EXPECT_EQ(c.pass1_rows, 16);
+  EXPECT_EQ(c.prefetch_bytes, Options::kAuto);
+  EXPECT_EQ(c.pass1_rows, Options::kAuto);
 }
 
 }  // namespace
