@@ -35,6 +35,8 @@ namespace {
 using common::WeightFormat;
 using testing::HostBank;
 using testing::MakeRandomBank;
+using testing::MakeRouting;
+using testing::Routing;
 using testing::ReferenceForward;
 
 constexpr WeightFormat kFormats[] = {WeightFormat::kBf16, WeightFormat::kFp8Block,
@@ -42,30 +44,6 @@ constexpr WeightFormat kFormats[] = {WeightFormat::kBf16, WeightFormat::kFp8Bloc
                                      WeightFormat::kMxfp4};
 // H and I exercise every vector width's tail (128 + 64 + 32 elements) and partial fp8 blocks.
 constexpr int kE = 16, kH = 224, kI = 160, kTopK = 4;
-
-struct Routing {
-  std::vector<int32_t> ids;
-  std::vector<float> weights;
-};
-
-// Distinct experts per token; skewed draws from a Zipf-like law over experts.
-Routing MakeRouting(int T, int E, int k, bool skewed, std::mt19937_64& rng) {
-  Routing r;
-  std::vector<double> p(E);
-  for (int e = 0; e < E; ++e) p[e] = skewed ? 1.0 / std::pow(e + 1.0, 1.2) : 1.0;
-  std::uniform_real_distribution<float> uw(0.05f, 1.0f);
-  for (int t = 0; t < T; ++t) {
-    std::vector<double> q = p;
-    for (int j = 0; j < k; ++j) {
-      std::discrete_distribution<int> d(q.begin(), q.end());
-      const int e = d(rng);
-      q[e] = 0.0;
-      r.ids.push_back(e);
-      r.weights.push_back(uw(rng));
-    }
-  }
-  return r;
-}
 
 std::vector<float> RandomX(int T, int H, std::mt19937_64& rng) {
   std::normal_distribution<float> n(0.0f, 1.0f);
@@ -119,7 +97,7 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
     const HostBank hb = MakeRandomBank(f, kE, kH, kI, 77 + static_cast<int>(f));
     for (int T : {1, 2, 5, 16, 64}) {
       for (bool skewed : {false, true}) {
-        const Routing r = MakeRouting(T, kE, kTopK, skewed, rng);
+        const Routing r = MakeRouting(T, kE, kTopK, skewed ? 1.2 : 0.0, rng);
         const std::vector<float> x = RandomX(T, kH, rng);
         Options base;
         std::vector<double> ref, scale, flip, plain, s2, f2;
@@ -155,7 +133,7 @@ TEST_F(CpuMoeTest, BrokenVariantsFail) {
   const int T = 5;
   for (WeightFormat f : kFormats) {
     HostBank hb = MakeRandomBank(f, kE, kH, kI, 5 + static_cast<int>(f));
-    const Routing r = MakeRouting(T, kE, kTopK, false, rng);
+    const Routing r = MakeRouting(T, kE, kTopK, 0.0, rng);
     const std::vector<float> x = RandomX(T, kH, rng);
     Options o;
     std::vector<double> ref, scale, flip;
@@ -207,7 +185,7 @@ TEST_F(CpuMoeTest, PaddingIsInert) {
   const int T = 6;
   for (WeightFormat f : kFormats) {
     const HostBank hb = MakeRandomBank(f, kE, kH, kI, 11);
-    Routing r = MakeRouting(T, kE, kTopK, true, rng);
+    Routing r = MakeRouting(T, kE, kTopK, 1.2, rng);
     std::vector<float> x = RandomX(T, kH, rng);
     // Token 2 is a padded row full of inf; token 4 has two padded slots.
     for (int j = 0; j < kTopK; ++j) r.ids[2 * kTopK + j] = -1;
@@ -254,7 +232,7 @@ TEST_F(CpuMoeTest, DedupOnOffAgreeAndInertWithoutSharing) {
   for (WeightFormat f : kFormats) {
     const HostBank hb = MakeRandomBank(f, kE, kH, kI, 21);
     for (int T : {1, 16, 64}) {
-      const Routing r = MakeRouting(T, kE, kTopK, true, rng);
+      const Routing r = MakeRouting(T, kE, kTopK, 1.2, rng);
       const std::vector<float> x = RandomX(T, kH, rng);
       std::vector<float> y0(x.size()), y1(x.size());
       Options off, on;
@@ -283,7 +261,7 @@ TEST_F(CpuMoeTest, Bf16IoSwigluOaiAndAccumulate) {
   std::mt19937_64 rng(5);
   const int T = 5;
   const HostBank hb = MakeRandomBank(WeightFormat::kBf16, kE, kH, kI, 31);
-  const Routing r = MakeRouting(T, kE, kTopK, false, rng);
+  const Routing r = MakeRouting(T, kE, kTopK, 0.0, rng);
   std::vector<float> x = RandomX(T, kH, rng);
   for (float& v : x) v = common::Bf16ToFloat(common::FloatToBf16(3.0f * v));
   Options o;

@@ -36,33 +36,11 @@ namespace {
 using common::WeightFormat;
 using testing::HostBank;
 using testing::MakeRandomBank;
+using testing::MakeRouting;
+using testing::Routing;
 using testing::ReferenceForward;
 
 constexpr int kE = 16, kH = 256, kI = 160, kTopK = 4;
-
-struct Routing {
-  std::vector<int32_t> ids;
-  std::vector<float> weights;
-};
-
-// Distinct experts per token; skewed draws from a Zipf-like law over experts.
-Routing MakeRouting(int T, int E, int k, bool skewed, std::mt19937_64& rng) {
-  Routing r;
-  std::vector<double> p(E);
-  for (int e = 0; e < E; ++e) p[e] = skewed ? 1.0 / std::pow(e + 1.0, 1.5) : 1.0;
-  std::uniform_real_distribution<float> uw(0.05f, 1.0f);
-  for (int t = 0; t < T; ++t) {
-    std::vector<double> q = p;
-    for (int j = 0; j < k; ++j) {
-      std::discrete_distribution<int> d(q.begin(), q.end());
-      const int e = d(rng);
-      q[e] = 0.0;
-      r.ids.push_back(e);
-      r.weights.push_back(uw(rng));
-    }
-  }
-  return r;
-}
 
 // Standard normal x times `scale`, rounded to bf16-representable values when `bf16_exact`.
 std::vector<float> RandomX(int T, int H, bool bf16_exact, std::mt19937_64& rng,
@@ -137,7 +115,7 @@ TEST_F(OnednnExpertsTest, MatchesReferenceAllAndMixed) {
   const HostBank hb = MakeRandomBank(WeightFormat::kBf16, kE, kH, kI, 41);
   for (int T : {64, 256}) {
     for (Activation act : {Activation::kSwiGlu, Activation::kSwiGluOai}) {
-      const Routing r = MakeRouting(T, kE, kTopK, true, rng);
+      const Routing r = MakeRouting(T, kE, kTopK, 1.5, rng);
       // swigluoai with a small limit so the clamps bind (gate and up are O(1) here).
       const std::vector<float> x = RandomX(T, kH, true, rng, act == Activation::kSwiGlu ? 1 : 3);
       Options base;
@@ -183,7 +161,7 @@ TEST_F(OnednnExpertsTest, Fp32InputBf16IoAndAccumulate) {
   std::mt19937_64 rng(17);
   const int T = 64;
   const HostBank hb = MakeRandomBank(WeightFormat::kBf16, kE, kH, kI, 43);
-  const Routing r = MakeRouting(T, kE, kTopK, false, rng);
+  const Routing r = MakeRouting(T, kE, kTopK, 0.0, rng);
   const std::vector<float> x = RandomX(T, kH, false, rng);
   Options o;
   o.onednn_min_tokens_per_expert = 1;
@@ -222,7 +200,7 @@ TEST_F(OnednnExpertsTest, PaddingIsInert) {
   std::mt19937_64 rng(8);
   const int T = 64;
   const HostBank hb = MakeRandomBank(WeightFormat::kBf16, kE, kH, kI, 45);
-  Routing r = MakeRouting(T, kE, kTopK, true, rng);
+  Routing r = MakeRouting(T, kE, kTopK, 1.5, rng);
   std::vector<float> x = RandomX(T, kH, true, rng);
   for (int t : {2, 30}) {
     for (int j = 0; j < kTopK; ++j) r.ids[t * kTopK + j] = -1;
@@ -268,7 +246,7 @@ TEST_F(OnednnExpertsTest, ThresholdOffIsGemvPath) {
   std::mt19937_64 rng(9);
   const int T = 64;
   const HostBank hb = MakeRandomBank(WeightFormat::kBf16, kE, kH, kI, 47);
-  const Routing r = MakeRouting(T, kE, kTopK, true, rng);
+  const Routing r = MakeRouting(T, kE, kTopK, 1.5, rng);
   const std::vector<float> x = RandomX(T, kH, true, rng);
   std::vector<float> y0(x.size()), y1(x.size()), y2(x.size());
   Options off, high, on;
@@ -302,7 +280,7 @@ TEST_F(OnednnExpertsTest, ThreadingModesAgreeAndCacheReuses) {
   std::mt19937_64 rng(10);
   const int T = 256;
   const HostBank hb = MakeRandomBank(WeightFormat::kBf16, kE, kH, kI, 51);
-  const Routing r = MakeRouting(T, kE, kTopK, true, rng);
+  const Routing r = MakeRouting(T, kE, kTopK, 1.5, rng);
   const std::vector<float> x = RandomX(T, kH, true, rng);
   // Group routes by expert.
   std::vector<int> experts, begin = {0}, tok;
@@ -364,7 +342,7 @@ TEST_F(OnednnExpertsTest, BrokenVariantsFail) {
   std::mt19937_64 rng(11);
   const int T = 64;
   HostBank hb = MakeRandomBank(WeightFormat::kBf16, kE, kH, kI, 53);
-  const Routing r = MakeRouting(T, kE, kTopK, true, rng);
+  const Routing r = MakeRouting(T, kE, kTopK, 1.5, rng);
   const std::vector<float> x = RandomX(T, kH, true, rng);
   std::vector<double> ref, scale, flip;
   ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, Options(), false, &ref, &scale, &flip);

@@ -8,6 +8,27 @@
 
 namespace moe::cpu_moe::testing {
 
+Routing MakeRouting(int T, int E, int k, double skew_exponent, std::mt19937_64& rng) {
+  Routing r;
+  std::vector<double> p(E);
+  for (int e = 0; e < E; ++e) {
+    p[e] = skew_exponent > 0 ? 1.0 / std::pow(e + 1.0, skew_exponent) : 1.0;
+  }
+  std::uniform_real_distribution<float> uw(0.05f, 1.0f);
+  for (int t = 0; t < T; ++t) {
+    std::vector<double> q = p;
+    for (int j = 0; j < k; ++j) {
+      std::discrete_distribution<int> d(q.begin(), q.end());
+      const int e = d(rng);
+      q[e] = 0.0;
+      r.ids.push_back(e);
+      r.weights.push_back(uw(rng));
+    }
+  }
+  return r;
+}
+
+
 namespace {
 
 using common::WeightFormat;

@@ -5,6 +5,7 @@
 #define MOE_CPU_MOE_TEST_BANK_H_
 
 #include <cstdint>
+#include <random>
 #include <vector>
 
 #include "cpu_moe/cpu_moe.h"
@@ -25,6 +26,14 @@ struct HostBank {
   HostBank(HostBank&&) = default;
   HostBank& operator=(HostBank&&) = default;
 };
+
+// Routes of T tokens, k distinct experts each, drawn with probability proportional to
+// (rank + 1)^-skew_exponent (0: uniform), with routing weights uniform in [0.05, 1).
+struct Routing {
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+};
+Routing MakeRouting(int T, int E, int k, double skew_exponent, std::mt19937_64& rng);
 
 // Random weights (gate_up ~ U(-a, a) with a = sqrt(3 / H), down likewise with I), quantized to
 // `format`; keeps the dequantized copies when `keep_float`.
