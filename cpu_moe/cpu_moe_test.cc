@@ -36,6 +36,7 @@ using common::WeightFormat;
 using testing::HostBank;
 using testing::MakeRandomBank;
 using testing::MakeRouting;
+using testing::RelFrobenius;
 using testing::Routing;
 using testing::ReferenceForward;
 
@@ -62,15 +63,6 @@ double WorstRatio(const std::vector<float>& y, const std::vector<double>& ref,
     worst = std::max(worst, std::isfinite(y[i]) ? err / tol : 1e30);
   }
   return worst;
-}
-
-double RelFrobenius(const std::vector<float>& y, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < y.size(); ++i) {
-    num += (y[i] - ref[i]) * (y[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
 }
 
 bool IsQuant(WeightFormat f) {

@@ -8,6 +8,15 @@
 
 namespace moe::cpu_moe::testing {
 
+double RelFrobenius(const std::vector<float>& y, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < y.size(); ++i) {
+    num += (y[i] - ref[i]) * (y[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
 Routing MakeRouting(int T, int E, int k, double skew_exponent, std::mt19937_64& rng) {
   Routing r;
   std::vector<double> p(E);

@@ -35,6 +35,9 @@ struct Routing {
 };
 Routing MakeRouting(int T, int E, int k, double skew_exponent, std::mt19937_64& rng);
 
+// ||y - ref|| / ||ref|| (Frobenius norms).
+double RelFrobenius(const std::vector<float>& y, const std::vector<double>& ref);
+
 // Random weights (gate_up ~ U(-a, a) with a = sqrt(3 / H), down likewise with I), quantized to
 // `format`; keeps the dequantized copies when `keep_float`.
 HostBank MakeRandomBank(common::WeightFormat format, int num_experts, int hidden,
