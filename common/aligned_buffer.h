@@ -20,6 +20,9 @@ namespace moe::common {
 
 // Owns size() elements. Contents start uninitialized (allocating 1 GiB must not touch it; callers
 // that need zeros fill them). Not thread-safe beyond the usual "const methods may be shared".
+// madvise(MADV_HUGEPAGE) over [p, p + bytes); false where the system does not take it.
+bool AdviseHugePages(void* p, size_t bytes);
+
 template <typename T>
 class AlignedBuffer {
   static_assert(std::is_trivially_copyable_v<T> && std::is_trivially_destructible_v<T>,
@@ -64,6 +67,19 @@ class AlignedBuffer {
     }
     b.data_ = static_cast<T*>(p);
     b.size_ = n;
+    return b;
+  }
+
+  // For large, long-lived, streamed data (expert weights): aligned to 2 MiB and advised onto
+  // transparent huge pages (MADV_HUGEPAGE; best effort: where THP is "never" or the advice
+  // fails, the buffer simply keeps 4 KiB pages). Reading weights off 4 KiB pages costs a TLB miss
+  // every 4 KiB; on the 2-core dev VM that alone cut q4_0 expert reads from 0.73 to about 0.5 of
+  // DRAM bandwidth. Call before the memory is first written, so that the first touch faults in
+  // huge pages.
+  static constexpr size_t kHugePageBytes = size_t{2} << 20;
+  static absl::StatusOr<AlignedBuffer> AllocateHugePages(size_t n) {
+    absl::StatusOr<AlignedBuffer> b = Allocate(n, kHugePageBytes);
+    if (b.ok() && !b->empty()) AdviseHugePages(b->data(), b->bytes());
     return b;
   }
 

@@ -75,5 +75,20 @@ TEST(AlignedBufferTest, MovesTransferOwnership) {
   static_assert(std::is_nothrow_move_constructible_v<AlignedBuffer<int>>);
 }
 
+TEST(AlignedBufferTest, HugePageBuffersAreAlignedAndUsable) {
+  // 3 MiB + 1 element: not a multiple of the huge page size.
+  const size_t n = (size_t{3} << 20) / sizeof(uint32_t) + 1;
+  auto b = AlignedBuffer<uint32_t>::AllocateHugePages(n);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->size(), n);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b->data()) % (size_t{2} << 20), 0u);
+  for (size_t i = 0; i < n; ++i) (*b)[i] = static_cast<uint32_t>(i * 2654435761u);
+  for (size_t i = 0; i < n; i += 4099) EXPECT_EQ((*b)[i], static_cast<uint32_t>(i * 2654435761u));
+  EXPECT_EQ((*b)[n - 1], static_cast<uint32_t>((n - 1) * 2654435761u));
+  auto empty = AlignedBuffer<uint32_t>::AllocateHugePages(0);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_TRUE(empty->empty());
+}
+
 }  // namespace
 }  // namespace moe::common

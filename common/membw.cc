@@ -34,7 +34,6 @@ uint64_t SumWords(const uint64_t* HWY_RESTRICT p, size_t n) {
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <atomic>
@@ -64,11 +63,9 @@ double MeasureDramReadGBps(ThreadPool& pool, size_t bytes, int reps) {
   bytes = std::max(kChunkBytes, bytes / kChunkBytes * kChunkBytes);
   reps = std::max(1, reps);
   const size_t words = bytes / sizeof(uint64_t);
-  AlignedBuffer<uint64_t> buf(words, size_t{2} << 20);
-#ifdef MADV_HUGEPAGE
-  // Fewer TLB misses; best effort (transparent huge pages may be off).
-  madvise(buf.data(), buf.bytes(), MADV_HUGEPAGE);
-#endif
+  // On huge pages (best effort), as the experts a kernel is held against should be.
+  AlignedBuffer<uint64_t> buf(words, AlignedBuffer<uint64_t>::kHugePageBytes);
+  AdviseHugePages(buf.data(), buf.bytes());
   const uint64_t chunks = bytes / kChunkBytes;
   const size_t chunk_words = kChunkBytes / sizeof(uint64_t);
   // Write every page first, from the pool's threads (first touch places pages near their users),

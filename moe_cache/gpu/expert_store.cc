@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/aligned_buffer.h"
 #include "common/cuda_status.h"
 #include "common/status.h"
 
@@ -13,6 +14,10 @@
 #endif
 
 namespace moe::moe_cache {
+
+namespace {
+constexpr size_t kHugePage = common::AlignedBuffer<uint8_t>::kHugePageBytes;
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<ExpertStore>> ExpertStore::Create(const Options& options,
                                                                  const BankLayout& layout) {
@@ -60,7 +65,11 @@ absl::Status ExpertStore::Allocate(bool require_pinned) {
       continue;
     }
 #endif
-    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    // Banks of 2 MiB and more go on transparent huge pages (best effort): the CPU expert kernels
+    // stream them, and 4 KiB pages cost a TLB miss every 4 KiB (see common::AdviseHugePages).
+    const size_t align = bytes >= kHugePage ? kHugePage : 64;
+    void* p = std::aligned_alloc(align, (bytes + align - 1) / align * align);
+    if (p != nullptr && align == kHugePage) common::AdviseHugePages(p, bytes);
     if (p == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes,
                                                        " bytes of host memory for bank '",
