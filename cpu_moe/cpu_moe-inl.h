@@ -17,6 +17,7 @@
 #endif
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,6 +28,7 @@
 #include "common/formats.h"
 #include "cpu_moe/internal/forward_plan.h"
 #include "hwy/cache_control.h"
+#include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -53,6 +55,7 @@ constexpr int TileOf() {
              ? 8
              : 4;
 }
+HWY_INLINE void Pf(const void* p) { hwy::Prefetch(p); }
 // Bytes ahead of the current position that the row kernels prefetch in the weight stream
 // (Options::prefetch_bytes, per format by default, see Options::kAuto; 0: no software prefetch), carried in MatrixRef::prefetch.
 // Rows of a work item are contiguous, so the prefetch runs on into the next row; the hardware
@@ -70,7 +73,11 @@ constexpr int TileOf() {
 // unsigned (code + offset) so that u8 x s8 instructions (maddubs, dpbusd) apply; neg[j] =
 // -offset * (sum of the 8 activation codes of lane j) removes the offset.
 // bf16: xe[i] = x[2i], xo[i] = x[2i+1], matching the even/odd halves of a u32 lane of bf16 pairs.
-// fp8: x as is.
+// fp8: x as is, except on AVX3_DL, whose table decode (Fp8DotRows) yields the weights of each
+// 64-column chunk at c as 4 vectors v of 16 in a permuted order:
+//   xf[c + 16v + j] = x[c + 16(j/4) + 8(v/2) + 2(j%4) + v%2]   (v < 4, j < 16);
+// when k % 64 == 32, the last 32 columns (c = k - 32) likewise as 4 vectors of 8 (j < 8):
+//   xf[c + 8v + j].
 struct ActView {
   // Quantized formats: one vector of 2k bytes per activation, [lo k/2][hi k/2][xs k/8 floats]
   // [neg k/8 int32], so that with b the packed byte index, lo[b], hi[b], xs[b/4] and neg[b/4]
@@ -171,7 +178,20 @@ class ActSet {
         xo[j] = x[2 * j + 1];
       }
     } else {
+#if HWY_TARGET == HWY_AVX3_DL
+      // The chunk order of Fp8DotRows' table decode (see ActView); k_ is a multiple of 32.
+      float* xf = const_cast<float*>(v.xf);
+      for (size_t c = 0; c < k_; c += 64) {
+        const size_t nj = c + 64 <= k_ ? 16 : 8;  // floats per vector: full chunk or 32-col tail
+        for (size_t vec = 0; vec < 4; ++vec) {
+          for (size_t j = 0; j < nj; ++j) {
+            xf[c + nj * vec + j] = x[c + 16 * (j / 4) + 8 * (vec / 2) + 2 * (j % 4) + vec % 2];
+          }
+        }
+      }
+#else
       std::memcpy(const_cast<float*>(v.xf), x, k_ * sizeof(float));
+#endif
     }
   }
 
@@ -183,6 +203,49 @@ class ActSet {
   std::unique_ptr<common::AlignedBuffer<int8_t>> i8_;
   std::unique_ptr<common::AlignedBuffer<float>> f32_;
 };
+
+// sums[i / nt][i % nt] += (sum of the lanes of v[i]) for i < n = nr * nt: the horizontal sums at
+// the end of a row's dot products, four vectors at a time with horizontal adds (about 6 vector
+// operations per sum instead of SumOfLanes' 9 for 16 lanes, which matters for pass 2's short
+// rows). Every vector's lanes are added in one fixed order whatever n and its position (a
+// partial group of four is padded with zeros), so a row's result does not depend on how many
+// rows or tokens are reduced with it.
+template <class DF>
+HWY_INLINE void AddLaneSums(DF df, const hn::Vec<DF>* v, int nr, int nt,
+                            float (*HWY_RESTRICT sums)[kTile]) {
+  const int n = nr * nt;
+#if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2 || \
+    HWY_TARGET == HWY_SSE4
+  (void)df;
+  for (int g = 0; g < n; g += 4) {
+    HWY_ALIGN float r[4];
+    constexpr size_t kBytes = sizeof(hn::Vec<DF>);
+    if constexpr (kBytes >= 32) {
+      __m256 f[4];
+      for (int j = 0; j < 4; ++j) {
+        if (g + j >= n) {
+          f[j] = _mm256_setzero_ps();
+        } else if constexpr (kBytes == 64) {
+          const __m512 x = v[g + j].raw;
+          f[j] = _mm256_add_ps(_mm512_castps512_ps256(x),
+                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+        } else {
+          f[j] = v[g + j].raw;
+        }
+      }
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(f[0], f[1]), _mm256_hadd_ps(f[2], f[3]));
+      _mm_store_ps(r, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    } else {
+      __m128 f[4];
+      for (int j = 0; j < 4; ++j) f[j] = g + j < n ? v[g + j].raw : _mm_setzero_ps();
+      _mm_store_ps(r, _mm_hadd_ps(_mm_hadd_ps(f[0], f[1]), _mm_hadd_ps(f[2], f[3])));
+    }
+    for (int j = 0; j < 4 && g + j < n; ++j) sums[(g + j) / nt][(g + j) % nt] += r[j];
+  }
+#else
+  for (int i = 0; i < n; ++i) sums[i / nt][i % nt] += hn::GetLane(hn::SumOfLanes(df, v[i]));
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------
 // One weight matrix of the bank ([E, rows, cols]) and the row kernels.
@@ -457,9 +520,9 @@ HWY_INLINE size_t QuantDotLevel(D8 d8, const QuantRow* q, const ActView* acts, s
     for (int rr = 0; rr < NR; ++rr) {
       if constexpr (hn::MaxLanes(D8()) >= 32) {
         if (pf != 0) {
-          hwy::Prefetch(PackedAddr<F>(q[rr], b) + pf);
+          Pf(PackedAddr<F>(q[rr], b) + pf);
           if constexpr (F != common::WeightFormat::kQ4_0) {
-            hwy::Prefetch(q[rr].scales + (b + pf) / (F == common::WeightFormat::kNvfp4 ? 8 : 16));
+            Pf(q[rr].scales + (b + pf) / (F == common::WeightFormat::kNvfp4 ? 8 : 16));
           }
         }
       }
@@ -485,9 +548,7 @@ HWY_INLINE size_t QuantDotLevel(D8 d8, const QuantRow* q, const ActView* acts, s
       }
     }
   }
-  for (int rr = 0; rr < NR; ++rr) {
-    for (int t = 0; t < NT; ++t) sums[rr][t] += hn::GetLane(hn::SumOfLanes(df, acc[rr][t]));
-  }
+  AddLaneSums(df, &acc[0][0], NR, NT, sums);
   return b;
 }
 
@@ -517,7 +578,7 @@ HWY_INLINE size_t Bf16DotLevel(DF df, const uint16_t* const* w, const ActView* a
     hn::Vec<DF> we[NR], wo[NR];
     for (int rr = 0; rr < NR; ++rr) {
       if constexpr (hn::MaxLanes(DF()) >= 8) {
-        if (pf != 0) hwy::Prefetch(reinterpret_cast<const uint8_t*>(w[rr] + 2 * i) + pf);
+        if (pf != 0) Pf(reinterpret_cast<const uint8_t*>(w[rr] + 2 * i) + pf);
       }
       const auto w32 = hn::BitCast(du32, hn::LoadU(du16, w[rr] + 2 * i));
       we[rr] = hn::BitCast(df, hn::ShiftLeft<16>(w32));
@@ -533,10 +594,9 @@ HWY_INLINE size_t Bf16DotLevel(DF df, const uint16_t* const* w, const ActView* a
     }
   }
   for (int rr = 0; rr < NR; ++rr) {
-    for (int t = 0; t < NT; ++t) {
-      sums[rr][t] += hn::GetLane(hn::SumOfLanes(df, hn::Add(a0[rr][t], a1[rr][t])));
-    }
+    for (int t = 0; t < NT; ++t) a0[rr][t] = hn::Add(a0[rr][t], a1[rr][t]);
   }
+  AddLaneSums(df, &a0[0][0], NR, NT, sums);
   return i;
 }
 
@@ -549,11 +609,144 @@ HWY_INLINE void Bf16DotAll(DF df, const uint16_t* const* w, const ActView* acts,
   }
 }
 
-// fp8 e4m3 -> f32 through the f16 bit pattern: sign to bit 15, exponent and mantissa to bits
-// 13..7 gives an f16 of value e4m3 / 256 (subnormals included), which F16C widens exactly.
+#if HWY_TARGET == HWY_AVX3_DL
+// fp8 e4m3 -> f32 by table lookup (AVX3_DL: AVX-512 VBMI). Every e4m3 value is exactly a bf16
+// (bf16 has f32's 8-bit exponent, and 7 mantissa bits for e4m3's 3, subnormals included), so
+// the weights come out exact and the block scale multiplies exact values. The 7-bit magnitude
+// (code & 0x7F) indexes 128-byte tables of the low and high bytes of those bf16 bits; the sign
+// (code & 0x80) is ORed into the high byte. 0x7F / 0xFF give 0x7FC0 / 0xFFC0: NaN, as e4m3fn
+// has it; every other code gives common::Fp8E4M3ToFloat's f32 bits exactly (checked for all 256).
+struct Fp8Bf16Lut {
+  alignas(64) uint8_t lo[128];  // low byte of the bf16 bits of magnitude code m
+  alignas(64) uint8_t hi[128];  // high byte (sign clear)
+  constexpr Fp8Bf16Lut() : lo(), hi() {
+    for (int m = 0; m < 128; ++m) {
+      const int e = m >> 3, f = m & 7;
+      int b = 0;  // bf16 bits; +0 for m = 0
+      if (m == 0x7F) {
+        b = 0x7FC0;
+      } else if (e != 0) {
+        // (1 + f/8) 2^(e - 7): bf16 biased exponent e - 7 + 127, mantissa f in its top 3 bits.
+        b = (e + 120) << 7 | f << 4;
+      } else if (f != 0) {
+        // Subnormal f 2^-9 = (f / 2^p) 2^(p - 9), 2^p the leading bit of f; normal in bf16.
+        const int p = f >= 4 ? 2 : f >= 2 ? 1 : 0;
+        b = (118 + p) << 7 | (f - (1 << p)) << (7 - p);
+      }
+      lo[m] = static_cast<uint8_t>(b & 0xFF);
+      hi[m] = static_cast<uint8_t>(b >> 8);
+    }
+  }
+};
+alignas(64) static constexpr Fp8Bf16Lut kFp8Bf16Lut{};
+
+// The decode's tables and masks, loaded once per Fp8DotRows call and held in registers.
+struct Fp8Decoder {
+  __m512i lo0, lo1, hi0, hi1, sign, hi16;
+  Fp8Decoder()
+      : lo0(_mm512_load_si512(kFp8Bf16Lut.lo)),
+        lo1(_mm512_load_si512(kFp8Bf16Lut.lo + 64)),
+        hi0(_mm512_load_si512(kFp8Bf16Lut.hi)),
+        hi1(_mm512_load_si512(kFp8Bf16Lut.hi + 64)),
+        sign(_mm512_set1_epi8(static_cast<char>(0x80))),
+        hi16(_mm512_set1_epi32(static_cast<int>(0xFFFF0000u))) {}
+
+  // 64 codes -> 4 x 16 f32 weights in 9 instructions (13 uops: vpermi2b is 3), against about 22
+  // uops through f16: two vpermi2b lookups (they index with the low 7 bits of each byte, bit 6
+  // choosing the table register), the sign OR (one vpternlogd), two byte interleaves and the
+  // bf16 -> f32 widening of the bf16 path (u32 lane: low half << 16, high half & 0xFFFF0000).
+  // unpacklo/hi_epi8 work per 128-bit lane q: word i of lane q of p0 is the bf16 of code
+  // 16q + i, of p1 code 16q + 8 + i (i < 8). So lane j = 4q + m (m < 4) of wv[v] is the weight
+  // of column 16q + 8(v / 2) + 2m + v % 2 of the chunk: the order in which
+  // ActSet<kFp8Block>::Prepare lays out the activations.
+  HWY_INLINE void Decode(__m512i code, __m512 (&wv)[4]) const {
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, code, lo1);
+    // hi | (code & sign): vpternlogd truth table A | (B & C) = 0xF0 | (0xCC & 0xAA).
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, code, hi1), code,
+                                                 sign, 0xF8);
+    const __m512i p0 = _mm512_unpacklo_epi8(lo, hi);
+    const __m512i p1 = _mm512_unpackhi_epi8(lo, hi);
+    wv[0] = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
+    wv[1] = _mm512_castsi512_ps(_mm512_and_si512(p0, hi16));
+    wv[2] = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
+    wv[3] = _mm512_castsi512_ps(_mm512_and_si512(p1, hi16));
+  }
+};
+
+// NR rows x NT activations over the 64 columns [c, c + 64) (kTail: the last 32 columns of a row
+// whose length is not a multiple of 64; cols is a multiple of 32). The tail's codes fill the low
+// 256 bits (the rest zero, weights +0), i.e. lanes 0..7 of each wv[v] (q < 2 above), and its
+// activations are 4 vectors of 8 floats; the FMAs are masked to those lanes, so the upper lanes
+// of the accumulators are left as they are. One accumulator per (row, token): at NT = 1 its chain
+// of 4 FMAs per chunk is about as long as the decode of the chunk's NR = 2 rows, and at NT = 4
+// the accumulators and block totals (16 + 16 registers with two) would not fit in 32 registers.
+template <int NR, int NT, bool kTail>
+HWY_INLINE void Fp8DotChunk(const Fp8Decoder& dec, const uint8_t* const* w, size_t c, size_t pf,
+                            const ActView* acts, __m512 (*HWY_RESTRICT acc)[NT]) {
+  constexpr size_t kL = kTail ? 8 : 16;  // floats per activation vector
+  constexpr __mmask16 kM = kTail ? 0x00FF : 0xFFFF;
+  __m512 wv[NR][4];
+  for (int rr = 0; rr < NR; ++rr) {
+    // One prefetch per 64 bytes of the row (c is a multiple of 64, tail included).
+    if (pf != 0) Pf(w[rr] + c + pf);
+    const __m512i code = kTail ? _mm512_zextsi256_si512(_mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(w[rr] + c)))
+                               : _mm512_loadu_si512(w[rr] + c);
+    dec.Decode(code, wv[rr]);
+  }
+  for (int t = 0; t < NT; ++t) {
+    const float* x = acts[t].xf + c;
+    __m512 xv[4];
+    for (int v = 0; v < 4; ++v) {
+      xv[v] = kTail ? _mm512_maskz_loadu_ps(kM, x + kL * v) : _mm512_loadu_ps(x + kL * v);
+    }
+    for (int rr = 0; rr < NR; ++rr) {
+      for (int v = 0; v < 4; ++v) {
+        acc[rr][t] = kTail ? _mm512_mask3_fmadd_ps(wv[rr][v], xv[v], acc[rr][t], kM)
+                           : _mm512_fmadd_ps(wv[rr][v], xv[v], acc[rr][t]);
+      }
+    }
+  }
+}
+#endif
+
+// AVX3_DL: the table decode above, 64 columns at a time; the weights are the e4m3 values
+// themselves, so the block scale goes on as stored. Other targets: fp8 e4m3 -> f32 through the
+// f16 bit pattern: sign to bit 15, exponent and mantissa to bits 13..7 gives an f16 of value
+// e4m3 / 256 (subnormals included), which F16C widens exactly (hence 256 on the block scale).
 template <int NR, int NT>
 HWY_INLINE void Fp8DotRows(const uint8_t* const* w, const float* const* scale_row, size_t cols,
                            size_t pf, const ActView* acts, float (*HWY_RESTRICT sums)[kTile]) {
+#if HWY_TARGET == HWY_AVX3_DL
+  const Fp8Decoder dec;
+  __m512 total[NR][NT];
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int t = 0; t < NT; ++t) total[rr][t] = _mm512_setzero_ps();
+  }
+  for (size_t c0 = 0; c0 < cols; c0 += common::kFp8BlockSize) {
+    const size_t c1 = std::min(cols, c0 + common::kFp8BlockSize);
+    __m512 acc[NR][NT];
+    for (int rr = 0; rr < NR; ++rr) {
+      for (int t = 0; t < NT; ++t) acc[rr][t] = _mm512_setzero_ps();
+    }
+    // 64-column chunks never straddle a 128-column block; only a row's last chunk can be short.
+    size_t c = c0;
+    for (; c + 64 <= c1; c += 64) Fp8DotChunk<NR, NT, false>(dec, w, c, pf, acts, acc);
+    if (c < c1) Fp8DotChunk<NR, NT, true>(dec, w, c, pf, acts, acc);
+    for (int rr = 0; rr < NR; ++rr) {
+      const __m512 s = _mm512_set1_ps(scale_row[rr][c0 / common::kFp8BlockSize]);
+      for (int t = 0; t < NT; ++t) {
+        total[rr][t] = _mm512_fmadd_ps(acc[rr][t], s, total[rr][t]);
+      }
+    }
+  }
+  const hn::ScalableTag<float> df;
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int t = 0; t < NT; ++t) {
+      sums[rr][t] += hn::GetLane(hn::SumOfLanes(df, hn::Vec<decltype(df)>{total[rr][t]}));
+    }
+  }
+#else
   const hn::ScalableTag<float> df;
   // Bit manipulation on 2 * Lanes(df) values at once in u16 lanes, then two f16 -> f32 widenings.
   const hn::ScalableTag<uint16_t> d16;
@@ -577,7 +770,7 @@ HWY_INLINE void Fp8DotRows(const uint8_t* const* w, const float* const* scale_ro
     for (size_t c = c0; c < c1; c += n2) {
       hn::Vec<decltype(df)> wl[NR], wh[NR];
       for (int rr = 0; rr < NR; ++rr) {
-        if (pf != 0 && (c & 63) == 0) hwy::Prefetch(w[rr] + c + pf);
+        if (pf != 0 && (c & 63) == 0) Pf(w[rr] + c + pf);
         const auto b = hn::PromoteTo(d16, hn::LoadU(d8, w[rr] + c));
         const auto bits =
             hn::Or(hn::ShiftLeft<8>(hn::And(b, sign)), hn::ShiftLeft<7>(hn::And(b, mag)));
@@ -601,6 +794,7 @@ HWY_INLINE void Fp8DotRows(const uint8_t* const* w, const float* const* scale_ro
   for (int rr = 0; rr < NR; ++rr) {
     for (int t = 0; t < NT; ++t) sums[rr][t] += hn::GetLane(hn::SumOfLanes(df, total[rr][t]));
   }
+#endif
 }
 
 // sums[i][t] = dot(row r[i] of expert e of m, acts[t]) for i < NR, t < NT (NT <= kTile).
@@ -643,17 +837,19 @@ template <common::WeightFormat F, int NR>
 HWY_INLINE void DotRowsMany(const MatrixRef& m, size_t e, const size_t* r, const ActView* acts,
                             int n, float* const* out) {
   float sums[NR][kTile];
-  constexpr int kT = TileOf<F>();
+  // Tokens per call: the format's tile for up to 2 rows, half of it for 4 rows (the accumulators
+  // of NR x NT must stay in registers).
+  constexpr int kT = NR <= 2 ? TileOf<F>() : TileOf<F>() / 2;
   for (int t = 0; t < n; t += kT) {
     const int nt = std::min(kT, n - t);
     switch (nt) {
-      // (kT == 4 never gets here with nt > 4; the dependent if constexpr keeps those unbuilt.)
+      // (nt never exceeds kT; the dependent if constexpr keeps larger tiles unbuilt.)
       case 8: if constexpr (kT >= 8) DotRowsN<F, NR, 8>(m, e, r, acts + t, sums); break;
       case 7: if constexpr (kT >= 8) DotRowsN<F, NR, 7>(m, e, r, acts + t, sums); break;
       case 6: if constexpr (kT >= 8) DotRowsN<F, NR, 6>(m, e, r, acts + t, sums); break;
       case 5: if constexpr (kT >= 8) DotRowsN<F, NR, 5>(m, e, r, acts + t, sums); break;
-      case 4: DotRowsN<F, NR, 4>(m, e, r, acts + t, sums); break;
-      case 3: DotRowsN<F, NR, 3>(m, e, r, acts + t, sums); break;
+      case 4: if constexpr (kT >= 4) DotRowsN<F, NR, 4>(m, e, r, acts + t, sums); break;
+      case 3: if constexpr (kT >= 4) DotRowsN<F, NR, 3>(m, e, r, acts + t, sums); break;
       case 2: DotRowsN<F, NR, 2>(m, e, r, acts + t, sums); break;
       default: DotRowsN<F, NR, 1>(m, e, r, acts + t, sums); break;
     }
@@ -667,7 +863,7 @@ HWY_INLINE void DotRowsMany(const MatrixRef& m, size_t e, const size_t* r, const
 // the row kernels runs m.prefetch ahead from there); nothing when m.prefetch is 0.
 HWY_INLINE void PrefetchRow(const MatrixRef& m, size_t e, size_t r, size_t bytes_per_row) {
   const uint8_t* p = static_cast<const uint8_t*>(m.weights) + (e * m.rows + r) * bytes_per_row;
-  for (size_t o = 0; o < bytes_per_row && o < m.prefetch; o += 64) hwy::Prefetch(p + o);
+  for (size_t o = 0; o < bytes_per_row && o < m.prefetch; o += 64) Pf(p + o);
 }
 
 inline size_t RowBytes(common::WeightFormat f, size_t cols) {
@@ -679,7 +875,40 @@ inline size_t RowBytes(common::WeightFormat f, size_t cols) {
   }
 }
 
-inline float Silu(float g) { return g / (1.0f + std::exp(-g)); }
+// h[j] = act(g[j], u[j]) for j < n, in place over g (u is clobbered). Every element goes through
+// the same vector operations (a partial last vector is padded through a scratch array), so an
+// element's result does not depend on where it sits in [0, n): work splits stay bit-identical.
+HWY_INLINE void ApplyActivation(const Options& opt, float* HWY_RESTRICT g, float* HWY_RESTRICT u,
+                                size_t n) {
+  const hn::ScalableTag<float> df;
+  const size_t N = hn::Lanes(df);
+  const auto one = hn::Set(df, 1.0f);
+  const bool oai = opt.activation == Activation::kSwiGluOai;
+  const auto limit = hn::Set(df, opt.swiglu_limit);
+  const auto alpha = hn::Set(df, opt.swiglu_alpha);
+  auto act = [&](hn::Vec<decltype(df)> gv, hn::Vec<decltype(df)> uv) {
+    if (!oai) {
+      // silu(g) * u = g / (1 + exp(-g)) * u
+      return hn::Mul(hn::Div(gv, hn::Add(one, hn::Exp(df, hn::Neg(gv)))), uv);
+    }
+    const auto gc = hn::Min(gv, limit);
+    const auto uc = hn::Min(hn::Max(uv, hn::Neg(limit)), limit);
+    return hn::Mul(hn::Div(gc, hn::Add(one, hn::Exp(df, hn::Neg(hn::Mul(alpha, gc))))),
+                   hn::Add(uc, one));
+  };
+  size_t j = 0;
+  for (; j + N <= n; j += N) {
+    hn::StoreU(act(hn::LoadU(df, g + j), hn::LoadU(df, u + j)), df, g + j);
+  }
+  if (j < n) {
+    HWY_ALIGN float tg[hn::MaxLanes(df)] = {};
+    HWY_ALIGN float tu[hn::MaxLanes(df)] = {};
+    std::memcpy(tg, g + j, (n - j) * sizeof(float));
+    std::memcpy(tu, u + j, (n - j) * sizeof(float));
+    hn::Store(act(hn::Load(df, tg), hn::Load(df, tu)), df, tg);
+    std::memcpy(g + j, tg, (n - j) * sizeof(float));
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // The whole call for one format.
@@ -691,10 +920,15 @@ template <common::WeightFormat F>
 constexpr bool kFuseRows = true;
 
 // Rows per work item (Options::pass1_rows / pass2_rows, validated by Forward): gate rows (and as
-// many up rows) per pass-1 item, H rows per pass-2 item (even, so the row pairs of pass 2 are the
-// same for every block size). Neither changes any row's arithmetic: a pass-1 row is computed
-// whole by one item, and a pass-2 item owns its output rows, adding routes in group order.
+// many up rows) per pass-1 item, H rows per pass-2 item (even: a pass-2 item dots its rows in
+// pairs, row p with row p + nb/2 of its block, so that each core reads two streams at once like
+// pass 1's gate and up rows; one stream of adjacent rows kept too few bytes in flight and ran
+// pass 2 at 0.43-0.50 of DRAM bandwidth against pass 1's 0.74 on the GPU machine's host).
+// Neither changes any row's arithmetic: a row's dot has its own accumulators whatever row it is
+// paired with, a pass-1 row is computed whole by one item, and a pass-2 item owns its output
+// rows, adding routes in group order.
 constexpr size_t kMaxPass2RowBlock = Options::kMaxRowsPerItem;
+
 
 template <common::WeightFormat F>
 void ForwardFormat(ForwardPlan& plan) {
@@ -714,6 +948,12 @@ void ForwardFormat(ForwardPlan& plan) {
   const MatrixRef down{bank.down_weights, bank.down_scales, bank.down_global_scales, H, I,
                        prefetch};
 
+  using Clock = std::chrono::steady_clock;
+  auto lap = [&plan, t = Clock::now()](int phase) mutable {
+    const Clock::time_point now = Clock::now();
+    plan.phase_seconds[phase] = std::chrono::duration<double>(now - t).count();
+    t = now;
+  };
   // Tokens that have at least one route, and the x activations of those.
   std::vector<int> token_slot(T, -1);
   std::vector<int> active_tokens;
@@ -741,9 +981,11 @@ void ForwardFormat(ForwardPlan& plan) {
       xacts.Prepare(i, xr);
     });
   }
+  lap(0);
 
-  // Pass 1: h[route, I] = act(gate x, up x).
+  // Pass 1: h[route, I] = act(gate x, up x); the up dots go to u first.
   common::AlignedBuffer<float> h(std::max<size_t>(1, R * I));
+  common::AlignedBuffer<float> u(std::max<size_t>(1, R * I));
   const size_t nrb = (I + pass1_rows - 1) / pass1_rows;
   const size_t row_bytes1 = RowBytes(F, H);
   pool.ParallelFor(plan.groups.size() * nrb, [&](uint64_t item, int) {
@@ -752,6 +994,8 @@ void ForwardFormat(ForwardPlan& plan) {
     const size_t r1 = std::min(I, r0 + pass1_rows);
     const int n = g.end - g.begin;
     ActView acts[64];
+    float* hrow[64];  // h and u rows of the chunk's routes
+    float* urow[64];
     float gs[64], us[64];
     float* const out[2] = {gs, us};
     PrefetchRow(gate_up, g.expert, r0, row_bytes1);
@@ -759,7 +1003,10 @@ void ForwardFormat(ForwardPlan& plan) {
     for (int c0 = 0; c0 < n; c0 += 64) {
       const int nc = std::min(64, n - c0);
       for (int i = 0; i < nc; ++i) {
-        acts[i] = xacts.View(token_slot[plan.route_token[plan.group_routes[g.begin + c0 + i]]]);
+        const size_t route = plan.group_routes[g.begin + c0 + i];
+        acts[i] = xacts.View(token_slot[plan.route_token[route]]);
+        hrow[i] = h.data() + route * I;
+        urow[i] = u.data() + route * I;
       }
       for (size_t r = r0; r < r1; ++r) {
         // The gate and up rows of r together: one pass over the activations for both.
@@ -771,23 +1018,18 @@ void ForwardFormat(ForwardPlan& plan) {
           DotRowsMany<F, 1>(gate_up, g.expert, rows + 1, acts, nc, out + 1);
         }
         for (int i = 0; i < nc; ++i) {
-          const size_t route = plan.group_routes[g.begin + c0 + i];
-          float v;
-          if (opt.activation == Activation::kSwiGlu) {
-            v = Silu(gs[i]) * us[i];
-          } else {
-            const float gc = std::min(gs[i], opt.swiglu_limit);
-            const float uc = std::min(std::max(us[i], -opt.swiglu_limit), opt.swiglu_limit);
-            v = gc / (1.0f + std::exp(-opt.swiglu_alpha * gc)) * (uc + 1.0f);
-          }
-          h.data()[route * I + r] = v;
+          hrow[i][r] = gs[i];
+          urow[i][r] = us[i];
         }
       }
+      for (int i = 0; i < nc; ++i) ApplyActivation(opt, hrow[i] + r0, urow[i] + r0, r1 - r0);
     }
   });
 
+  lap(1);
   ActSet<F> hacts(R, I);
   pool.ParallelFor(R, [&](uint64_t r, int) { hacts.Prepare(r, h.data() + r * I); });
+  lap(2);
 
   // Pass 2: y[t, H-block] = sum over routes of w * down_e h.
   const size_t nhb = (H + pass2_rows - 1) / pass2_rows;
@@ -817,26 +1059,31 @@ void ForwardFormat(ForwardPlan& plan) {
       ActView acts[64];
       float dots[2][64];
       float* const out[2] = {dots[0], dots[1]};
+      const size_t half = nb / 2;
       for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
         const internal::ExpertGroup& g = plan.groups[gi];
-        if (gi + 1 < plan.groups.size()) PrefetchRow(down, plan.groups[gi + 1].expert, h0, row_bytes2);
+        if (gi + 1 < plan.groups.size()) {
+          // The next expert's two streams (see the row pairing above).
+          PrefetchRow(down, plan.groups[gi + 1].expert, h0, row_bytes2);
+          PrefetchRow(down, plan.groups[gi + 1].expert, h0 + half, row_bytes2);
+        }
         const int n = g.end - g.begin;
         for (int c0 = 0; c0 < n; c0 += 64) {
           const int nc = std::min(64, n - c0);
-          for (int i = 0; i < nc; ++i) acts[i] = hacts.View(plan.group_routes[g.begin + c0 + i]);
-          for (size_t r = h0; r < h1; r += kFuseRows<F> ? 2 : 1) {
-            const size_t rows[2] = {r, r + 1};
-            if (kFuseRows<F> && r + 1 < h1) {
-              DotRowsMany<F, 2>(down, g.expert, rows, acts, nc, out);
-            } else {
-              DotRowsMany<F, 1>(down, g.expert, rows, acts, nc, out);
-            }
-            for (int rr = 0; rr < (kFuseRows<F> ? 2 : 1) && r + rr < h1; ++rr) {
-              for (int i = 0; i < nc; ++i) {
-                const size_t route = plan.group_routes[g.begin + c0 + i];
-                acc[token_slot[plan.route_token[route]] * nb + (r + rr - h0)] +=
-                    plan.route_weight[route] * dots[rr][i];
-              }
+          float* dst[64];  // the block's accumulators of each route's token
+          float wt[64];
+          for (int i = 0; i < nc; ++i) {
+            const size_t route = plan.group_routes[g.begin + c0 + i];
+            acts[i] = hacts.View(route);
+            dst[i] = acc.data() + token_slot[plan.route_token[route]] * nb;
+            wt[i] = plan.route_weight[route];
+          }
+          for (size_t p = 0; p < half; ++p) {
+            const size_t abs_rows[2] = {h0 + p, h0 + half + p};
+            DotRowsMany<F, 2>(down, g.expert, abs_rows, acts, nc, out);
+            for (int i = 0; i < nc; ++i) {
+              dst[i][p] += wt[i] * dots[0][i];
+              dst[i][half + p] += wt[i] * dots[1][i];
             }
           }
         }
@@ -852,27 +1099,29 @@ void ForwardFormat(ForwardPlan& plan) {
       float acc[kMaxPass2RowBlock];
       std::fill_n(acc, h1 - h0, 0.0f);
       const int rb = plan.token_route_begin[t], re = plan.token_route_begin[t + 1];
+      const size_t half = (h1 - h0) / 2;
       PrefetchRow(down, plan.route_expert[rb], h0, row_bytes2);
+      PrefetchRow(down, plan.route_expert[rb], h0 + half, row_bytes2);
       for (int route = rb; route < re; ++route) {
         const ActView act = hacts.View(route);
         const int expert = plan.route_expert[route];
-        if (route + 1 < re) PrefetchRow(down, plan.route_expert[route + 1], h0, row_bytes2);
-        for (size_t r = h0; r < h1; r += kFuseRows<F> ? 2 : 1) {
-          const size_t rows[2] = {r, r + 1};
+        if (route + 1 < re) {
+          PrefetchRow(down, plan.route_expert[route + 1], h0, row_bytes2);
+          PrefetchRow(down, plan.route_expert[route + 1], h0 + half, row_bytes2);
+        }
+        const float w = plan.route_weight[route];
+        for (size_t p = 0; p < half; ++p) {
+          const size_t rows[2] = {h0 + p, h0 + half + p};
           float dot[2][kTile];
-          if (kFuseRows<F> && r + 1 < h1) {
-            DotRowsN<F, 2, 1>(down, expert, rows, &act, dot);
-          } else {
-            DotRowsN<F, 1, 1>(down, expert, rows, &act, dot);
-          }
-          for (int rr = 0; rr < (kFuseRows<F> ? 2 : 1) && r + rr < h1; ++rr) {
-            acc[r + rr - h0] += plan.route_weight[route] * dot[rr][0];
-          }
+          DotRowsN<F, 2, 1>(down, expert, rows, &act, dot);
+          acc[p] += w * dot[0][0];
+          acc[half + p] += w * dot[1][0];
         }
       }
       write_y(t, h0, h1, acc);
     });
   }
+  lap(3);
 }
 
 void ForwardImpl(ForwardPlan& plan) {

@@ -58,8 +58,14 @@ size_t MatrixBytes(WeightFormat f, size_t rows, size_t cols) {
   return b;
 }
 
-// The Highway targets compiled into this translation unit and supported by the CPU.
-int64_t CompiledSupported() { return hwy::SupportedTargets() & HWY_TARGETS; }
+// The Highway targets compiled into this translation unit and supported by the CPU. Detected
+// once: hwy::SupportedTargets() runs CPUID every time, which in a virtual machine traps to the
+// hypervisor (about 60 us per Forward call on the 2-core dev VM). CPU features do not change
+// while the process runs; the env and Options switches are still read on every call.
+int64_t CompiledSupported() {
+  static const int64_t supported = hwy::SupportedTargets() & HWY_TARGETS;
+  return supported;
+}
 
 // The dispatch-table index of the best target in `targets` (HWY_TARGETS bit format).
 size_t TableIndex(int64_t targets) {
@@ -256,9 +262,13 @@ Options ResolveTuning(const Options& options, WeightFormat format) {
   Options o = options;
   const bool four_bit = format == WeightFormat::kQ4_0 || format == WeightFormat::kNvfp4 ||
                         format == WeightFormat::kMxfp4;
-  if (o.prefetch_bytes == Options::kAuto) o.prefetch_bytes = four_bit ? 1024 : 4096;
-  if (o.pass1_rows == Options::kAuto) o.pass1_rows = four_bit ? 64 : 16;
-  if (o.pass2_rows == Options::kAuto) o.pass2_rows = four_bit ? 64 : 16;
+  // Side-by-side runs on the GPU machine's host (cpu_moe_bench --ab, 2026-11-30, see
+  // benchmarks/h200host_tuning_2026-11-30_session2.md): bf16 keeps 4096 bytes ahead and 16 rows
+  // (2048 / 64 lost 2-9%), fp8 gains 2-9% from 2048 / 64, the 4-bit formats keep 1024 / 64.
+  const bool bf16 = format == WeightFormat::kBf16;
+  if (o.prefetch_bytes == Options::kAuto) o.prefetch_bytes = four_bit ? 1024 : bf16 ? 4096 : 2048;
+  if (o.pass1_rows == Options::kAuto) o.pass1_rows = bf16 ? 16 : 64;
+  if (o.pass2_rows == Options::kAuto) o.pass2_rows = bf16 ? 16 : 64;
   return o;
 }
 
@@ -410,6 +420,12 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
 
   // One dispatch per call, at the chosen (possibly capped) target.
   if (num_routes > 0) HWY_DISPATCH_TABLE(ForwardImpl)[TableIndex(target)](plan);
+  if (stats != nullptr) {
+    stats->prep_x_seconds = plan.phase_seconds[0];
+    stats->pass1_seconds = plan.phase_seconds[1];
+    stats->prep_h_seconds = plan.phase_seconds[2];
+    stats->pass2_seconds = plan.phase_seconds[3];
+  }
   if (onednn.experts > 0) {
     FinishOnednnPart(onednn, num_tokens, bank.hidden, options.accumulate, pool);
   }

@@ -99,10 +99,11 @@ struct Options {
   // Memory-system tuning (for sweeps on the target host; results are bit-identical for every
   // valid setting, only the speed changes). Forward rejects values out of range. kAuto picks the
   // per-format values measured best on the GPU machine's 16-core host (sweep of 2026-11-30,
-  // benchmarks/host_sweep_h200host_2026-11-30.md): bf16 and fp8 rows prefetch 4096 bytes ahead
-  // with 16 rows per item (bf16 T=1 99 -> 113 GB/s over 1024 bytes); the 4-bit formats prefetch
-  // 1024 bytes ahead (four times as many rows of their smaller rows) with 64 rows per item
-  // (q4_0 T=1 80 -> 88, nvfp4 78 -> 87 GB/s over 16 rows).
+  // benchmarks/host_sweep_h200host_2026-11-30.md, then side-by-side runs of
+  // benchmarks/h200host_tuning_2026-11-30_session2.md): bf16 prefetches 4096 bytes ahead with
+  // 16 rows per item (bf16 T=1 99 -> 113 GB/s over 1024 bytes); fp8 2048 bytes with 64 rows
+  // (2-9% over 4096 / 16); the 4-bit formats 1024 bytes (four times as many rows of their
+  // smaller rows) with 64 rows per item (q4_0 T=1 80 -> 88, nvfp4 78 -> 87 GB/s over 16 rows).
   static constexpr int kAuto = -1;
   // Bytes ahead of the current position that the row kernels prefetch in the weight stream (and
   // how much of the next row / expert's rows is prefetched up front). 0 turns software prefetch
@@ -133,6 +134,12 @@ struct ForwardStats {
   double reuse = 0.0;      // routes / unique_experts (0 when there are no routes)
   std::string target;      // Highway target that ran
   int onednn_experts = 0;  // experts computed through oneDNN (their routes are in `routes`)
+  // Wall time of the GEMV path's phases (for profiling; zero when no route took that path):
+  // preparing x, pass 1 (gate_up), preparing h, pass 2 (down). The oneDNN part is not included.
+  double prep_x_seconds = 0.0;
+  double pass1_seconds = 0.0;
+  double prep_h_seconds = 0.0;
+  double pass2_seconds = 0.0;
 };
 
 // y[T, H] = the routed MoE output for x[T, H].

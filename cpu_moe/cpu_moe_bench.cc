@@ -7,13 +7,21 @@
 // Weights come from DRAM: every step uses the next of several identical-shape expert banks (a
 // "layer" each), so the weights of one format total --total_gb (default: max(2 GB, 8 x the
 // last-level cache)), far more than the LLC. The machine's DRAM read bandwidth is measured in
-// the same process with all workers, once, and every case reports:
+// the same process with all workers, just before and just after each case (the higher reading
+// is the case's limit: a VM's bandwidth drifts), and every case reports:
 //   ms_per_step, unique_bytes (bytes of the distinct experts a step touches), gbps (unique_bytes /
 //   time), dram_gbps, bw_fraction (gbps / dram_gbps), reuse (routes / unique experts), routes,
 //   model_ms (what the traffic model predicts: bytes this mode reads / dram_gbps, i.e. unique
 //   bytes with dedup, route bytes without).
 // Flags (before Google Benchmark's own): --total_gb=<GB> (or env MOE_BENCH_TOTAL_GB),
-// --threads=<n> (default: physical cores). Env MOE_CPU_MAX_TARGET caps the ISA as in the library.
+// --threads=<n> (default: physical cores), --hugepages=0 (weights on 4 KiB pages; by default they
+// are advised onto transparent huge pages like the probe's buffer). Env MOE_CPU_MAX_TARGET caps
+// the ISA as in the library.
+// Also reported: prep_ms, pass1_ms, pass2_ms, other_ms (where a step's time goes) and
+// pass1_bw_fraction / pass2_bw_fraction (each pass's bytes over its own time, against DRAM).
+// --ab=... runs variants of the env switches side by side instead (see RunAb below), e.g.
+//   cpu_moe_bench --ab=q4_0/256/1/1 --variant=pf1k:MOE_CPU_PREFETCH_BYTES=1024
+//                 --variant=pf2k:MOE_CPU_PREFETCH_BYTES=2048
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -27,6 +35,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/string_view.h"
 #include "benchmark/benchmark.h"
 #include "common/aligned_buffer.h"
 #include "common/formats.h"
@@ -44,6 +55,7 @@ constexpr int kH = 2048, kI = 768, kTopK = 8;
 
 double g_total_gb = 0.0;  // 0: default
 int g_threads = 0;
+int g_hugepages = 1;
 
 common::ThreadPool& Pool() {
   static common::ThreadPool* pool =
@@ -51,15 +63,34 @@ common::ThreadPool& Pool() {
   return *pool;
 }
 
-double DramGBps() {
-  static const double gbps = [] {
+// DRAM read bandwidth now (median of 3 reads of a buffer 4x the LLC, at least 1 GiB, all
+// workers). Read beside every case: the GPU machine's host, a VM, gave 120-175 GB/s in
+// successive processes, so one start-up reading made fractions swing by 30%.
+double DramNow() {
+  static common::DramProbe* probe = [] {
     const size_t bytes = std::max<size_t>(size_t{1} << 30, 4 * common::LastLevelCacheBytes());
-    const double v = common::MeasureDramReadGBps(Pool(), bytes, 5);
-    std::fprintf(stderr, "DRAM read bandwidth, %d workers, %.2f GB buffer: %.2f GB/s\n",
-                 Pool().num_workers(), bytes / 1e9, v);
-    return v;
+    auto* p = new common::DramProbe(Pool(), bytes);
+    std::fprintf(stderr, "DRAM probe: %d workers, %.2f GB buffer, first reading %.2f GB/s\n",
+                 Pool().num_workers(), bytes / 1e9, p->Measure(3));
+    return p;
   }();
-  return gbps;
+  return probe->Measure(3);
+}
+
+// The process's AnonHugePages line of /proc/self/smaps_rollup ("?" where unreadable): how much
+// of the memory transparent huge pages back.
+std::string AnonHugePages() {
+  FILE* f = std::fopen("/proc/self/smaps_rollup", "r");
+  if (f == nullptr) return "?";
+  char line[256];
+  std::string v = "?";
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::strncmp(line, "AnonHugePages:", 14) == 0) {
+      v = std::string(absl::StripAsciiWhitespace(line + 14));
+    }
+  }
+  std::fclose(f);
+  return v;
 }
 
 // Banks of one (format, E), all views into one buffer of `copies` experts' worth per matrix;
@@ -89,8 +120,17 @@ Banks& GetBanks(WeightFormat format, int num_experts) {
       1, static_cast<size_t>(std::ceil(total / (static_cast<double>(per_expert) * num_experts))));
   const size_t n = n_banks * num_experts;
   auto fill = [n](const std::vector<uint8_t>& src) {
-    auto buf = std::make_unique<common::AlignedBuffer<uint8_t>>(std::max<size_t>(1, src.size() * n));
-    for (size_t i = 0; i < n; ++i) std::memcpy(buf->data() + i * src.size(), src.data(), src.size());
+    const size_t bytes = std::max<size_t>(1, src.size() * n);
+    // Transparent huge pages where the kernel allows them, as for the DRAM probe's buffer (and as
+    // an engine should hold its host-resident experts): with 4 KiB pages every 4 KiB of weights
+    // costs a TLB miss, and the kernels would be held against a probe that paid none.
+    auto buf = std::make_unique<common::AlignedBuffer<uint8_t>>(
+        bytes, common::AlignedBuffer<uint8_t>::kHugePageBytes);
+    if (g_hugepages) common::AdviseHugePages(buf->data(), bytes);
+    // Filled by the pool's workers: first-touching gigabytes from one thread takes seconds.
+    Pool().ParallelFor(n, [&](uint64_t i, int) {
+      std::memcpy(buf->data() + i * src.size(), src.data(), src.size());
+    });
     return buf;
   };
   b->gu_w = fill(tmpl.gate_up_w);
@@ -111,36 +151,54 @@ Banks& GetBanks(WeightFormat format, int num_experts) {
     eb.down_global_scales = b->dn_g.data() + e0;
     b->banks.push_back(eb);
   }
-  std::fprintf(stderr, "%s E=%d: %zu banks x %.1f MB = %.2f GB of weights (LLC %.0f MiB)\n",
+  std::fprintf(stderr,
+               "%s E=%d: %zu banks x %.1f MB = %.2f GB of weights (LLC %.0f MiB); process "
+               "AnonHugePages %s\n",
                std::string(common::WeightFormatName(format)).c_str(), num_experts, n_banks,
-               per_expert * num_experts / 1e6, per_expert * n / 1e9, llc / (1 << 20));
+               per_expert * num_experts / 1e6, per_expert * n / 1e9, llc / (1 << 20),
+               AnonHugePages().c_str());
   g_banks = std::move(b);
   return *g_banks;
 }
 
-void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, int T, bool dedup) {
-  const double dram = DramGBps();
-  Banks& banks = GetBanks(format, num_experts);
-  const size_t per_expert = banks.banks[0].BytesPerExpert();
-  std::mt19937_64 rng(1000 + T);
-  // Fresh routing per step: a pool of routings much longer than the bank rotation.
-  constexpr int kRoutings = 257;
-  std::vector<std::vector<int32_t>> ids(kRoutings);
-  std::vector<int> unique(kRoutings);
+// Fresh routing per step: a pool of routings much longer than the bank rotation, uniform random
+// over the experts with distinct experts per token.
+struct Routings {
+  static constexpr int kCount = 257;
+  std::vector<std::vector<int32_t>> ids;
+  std::vector<int> unique;
+};
+
+Routings MakeRoutings(int num_experts, int T, std::mt19937_64& rng) {
+  Routings r;
+  r.ids.resize(Routings::kCount);
+  r.unique.resize(Routings::kCount);
   std::vector<int> perm(num_experts);
-  for (int s = 0; s < kRoutings; ++s) {
+  for (int s = 0; s < Routings::kCount; ++s) {
     std::vector<char> seen(num_experts, 0);
     for (int t = 0; t < T; ++t) {
       for (int e = 0; e < num_experts; ++e) perm[e] = e;
       for (int j = 0; j < kTopK; ++j) {
         std::uniform_int_distribution<int> d(j, num_experts - 1);
         std::swap(perm[j], perm[d(rng)]);
-        ids[s].push_back(perm[j]);
-        unique[s] += !seen[perm[j]];
+        r.ids[s].push_back(perm[j]);
+        r.unique[s] += !seen[perm[j]];
         seen[perm[j]] = 1;
       }
     }
   }
+  return r;
+}
+
+void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, int T, bool dedup) {
+  Banks& banks = GetBanks(format, num_experts);
+  const double dram_before = DramNow();
+  const size_t per_expert = banks.banks[0].BytesPerExpert();
+  std::mt19937_64 rng(1000 + T);
+  const Routings routings = MakeRoutings(num_experts, T, rng);
+  const auto& ids = routings.ids;
+  const auto& unique = routings.unique;
+  constexpr int kRoutings = Routings::kCount;
   std::vector<float> w(T * kTopK, 1.0f / kTopK);
   std::vector<float> x(static_cast<size_t>(T) * kH), y(x.size());
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -151,12 +209,19 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
 
   size_t step = 0;
   double seconds = 0.0, unique_sum = 0.0;
+  double phase[4] = {0, 0, 0, 0};
+  ForwardStats fs;
   for (auto _ : state) {
     const ExpertBank& bank = banks.banks[step % banks.banks.size()];
     const int s = static_cast<int>(step % kRoutings);
     const auto t0 = std::chrono::steady_clock::now();
-    const absl::Status st = Forward(bank, T, kTopK, ids[s], w, x, absl::MakeSpan(y), opt, Pool());
+    const absl::Status st =
+        Forward(bank, T, kTopK, ids[s], w, x, absl::MakeSpan(y), opt, Pool(), &fs);
     const auto t1 = std::chrono::steady_clock::now();
+    phase[0] += fs.prep_x_seconds;
+    phase[1] += fs.pass1_seconds;
+    phase[2] += fs.prep_h_seconds;
+    phase[3] += fs.pass2_seconds;
     if (!st.ok()) {
       state.SkipWithError(st.ToString().c_str());
       return;
@@ -165,6 +230,8 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
     unique_sum += unique[s];
     ++step;
   }
+  // The physical limit: the higher of the readings just before and just after the case.
+  const double dram = std::max(dram_before, DramNow());
   const double steps = static_cast<double>(step);
   const double ms = 1e3 * seconds / steps;
   const double ub = unique_sum / steps * per_expert;
@@ -178,6 +245,20 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
   state.counters["reuse"] = reuse;
   state.counters["routes"] = routes;
   state.counters["model_ms"] = (dedup ? ub : routes * per_expert) / (dram * 1e9) * 1e3;
+  // Where the time goes: each phase's ms per step, the rest of the call (planning, allocation)
+  // as other_ms, and the two passes' own read rates against DRAM (pass 1 reads gate_up, pass 2
+  // down; with dedup each unique expert once, without it once per route).
+  const double p1_ms = 1e3 * phase[1] / steps, p2_ms = 1e3 * phase[3] / steps;
+  state.counters["prep_ms"] = 1e3 * (phase[0] + phase[2]) / steps;
+  state.counters["pass1_ms"] = p1_ms;
+  state.counters["pass2_ms"] = p2_ms;
+  state.counters["other_ms"] = ms - 1e3 * (phase[0] + phase[1] + phase[2] + phase[3]) / steps;
+  const ExpertBank& b0 = banks.banks[0];
+  const double experts_read = dedup ? unique_sum / steps : routes;
+  state.counters["pass1_bw_fraction"] =
+      experts_read * b0.GateUpBytesPerExpert() / (p1_ms * 1e-3) / 1e9 / dram;
+  state.counters["pass2_bw_fraction"] =
+      experts_read * b0.DownBytesPerExpert() / (p2_ms * 1e-3) / 1e9 / dram;
   state.SetLabel(absl::StrCat("threads=", Pool().num_workers()));
 }
 
@@ -204,16 +285,25 @@ void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int T) {
   for (float& v : x) v = nd(rng);
   Options opt = Options::FromEnv();
   opt.debug = false;
+  ForwardStats fs;
+  double p1 = 0.0, p2 = 0.0;
   for (auto _ : state) {
-    const absl::Status st = Forward(hb->bank, T, kTopK, ids, w, x, absl::MakeSpan(y), opt, Pool());
+    const absl::Status st =
+        Forward(hb->bank, T, kTopK, ids, w, x, absl::MakeSpan(y), opt, Pool(), &fs);
     if (!st.ok()) {
       state.SkipWithError(st.ToString().c_str());
       return;
     }
+    p1 += fs.pass1_seconds;
+    p2 += fs.pass2_seconds;
   }
+  const double iters = static_cast<double>(state.iterations());
   state.counters["gbps_hot"] = benchmark::Counter(
-      static_cast<double>(hb->bank.BytesPerExpert()) * kE * 1e-9 * state.iterations(),
+      static_cast<double>(hb->bank.BytesPerExpert()) * kE * 1e-9 * iters,
       benchmark::Counter::kIsRate);
+  // Each pass's own rate (its matrix's bytes / its time).
+  state.counters["pass1_gbps_hot"] = hb->bank.GateUpBytesPerExpert() * kE * 1e-9 * iters / p1;
+  state.counters["pass2_gbps_hot"] = hb->bank.DownBytesPerExpert() * kE * 1e-9 * iters / p2;
 }
 
 void RegisterAll() {
@@ -247,6 +337,161 @@ void RegisterAll() {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Side-by-side mode (--ab): variants of the library's environment switches measured in one
+// process, interleaved, so that they share the machine's state (a VM's DRAM bandwidth moves by
+// 10% and more between processes, more than most tuning effects).
+//
+//   --ab=<format>/<E>/<T>/<dedup>[,...]  cases (names as in BM_CpuMoe)
+//   --variant=<name>:<ENV>=<value>[;<ENV>=<value>...]   (repeatable; an empty list = defaults)
+//   --ab_reps=<n> (default 9)
+// Every rep runs each variant for about 0.15 s (whole steps), in an order rotated by one per rep,
+// after one warm-up round. Before a variant runs, every variable named by any variant is unset
+// and its own are set; Options::FromEnv() reads them on every call. Printed per case and
+// variant: median ms per step, bw_fraction (unique bytes / time / DRAM), the passes' fractions,
+// and the median over reps of the step-time ratio to the first variant (< 1: faster).
+struct Variant {
+  std::string name;
+  std::vector<std::pair<std::string, std::string>> env;
+};
+
+std::vector<std::string> g_ab_cases;
+std::vector<Variant> g_variants;
+int g_ab_reps = 9;
+
+bool ParseVariant(const std::string& arg, Variant* v) {
+  const size_t colon = arg.find(':');
+  if (colon == std::string::npos || colon == 0) return false;
+  v->name = arg.substr(0, colon);
+  for (absl::string_view kv : absl::StrSplit(arg.substr(colon + 1), ';', absl::SkipEmpty())) {
+    const size_t eq = kv.find('=');
+    if (eq == absl::string_view::npos || eq == 0) return false;
+    v->env.emplace_back(std::string(kv.substr(0, eq)), std::string(kv.substr(eq + 1)));
+  }
+  return true;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+int RunAb() {
+  if (g_variants.empty()) g_variants.push_back({"default", {}});
+  std::vector<std::string> all_vars;
+  for (const Variant& v : g_variants) {
+    for (const auto& kv : v.env) all_vars.push_back(kv.first);
+  }
+  for (const std::string& c : g_ab_cases) {
+    const std::vector<std::string> parts = absl::StrSplit(c, '/');
+    WeightFormat format;
+    int E = 0, T = 0, dedup = 0;
+    bool ok = parts.size() == 4 && absl::SimpleAtoi(parts[1], &E) &&
+              absl::SimpleAtoi(parts[2], &T) && absl::SimpleAtoi(parts[3], &dedup) && E > 0 &&
+              T > 0;
+    if (ok) {
+      ok = false;
+      for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kQ4_0,
+                             WeightFormat::kNvfp4, WeightFormat::kMxfp4}) {
+        if (parts[0] == common::WeightFormatName(f)) {
+          format = f;
+          ok = true;
+        }
+      }
+    }
+    if (!ok) {
+      std::fprintf(stderr, "bad --ab case '%s' (want format/E/T/dedup, e.g. q4_0/256/1/1)\n",
+                   c.c_str());
+      return 2;
+    }
+    Banks& banks = GetBanks(format, E);
+    const ExpertBank& b0 = banks.banks[0];
+    std::mt19937_64 rng(1000 + T);
+    const Routings routings = MakeRoutings(E, T, rng);
+    std::vector<float> w(T * kTopK, 1.0f / kTopK);
+    std::vector<float> x(static_cast<size_t>(T) * kH), y(x.size());
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (float& v : x) v = nd(rng);
+    size_t step = 0;
+    struct Sample {
+      double ms, p1_ms, p2_ms, unique;
+    };
+    // Runs variant v for about `seconds`; returns per-step means.
+    auto run = [&](const Variant& v, double seconds) -> Sample {
+      for (const std::string& name : all_vars) unsetenv(name.c_str());
+      for (const auto& kv : v.env) setenv(kv.first.c_str(), kv.second.c_str(), 1);
+      Sample sum{0, 0, 0, 0};
+      int n = 0;
+      ForwardStats fs;
+      while (sum.ms < seconds * 1e3 || n < 3) {
+        Options opt = Options::FromEnv();
+        opt.dedup = dedup != 0;
+        opt.debug = false;
+        const int r = static_cast<int>(step % Routings::kCount);
+        const ExpertBank& bank = banks.banks[step % banks.banks.size()];
+        ++step;
+        const auto t0 = std::chrono::steady_clock::now();
+        const absl::Status st =
+            Forward(bank, T, kTopK, routings.ids[r], w, x, absl::MakeSpan(y), opt, Pool(), &fs);
+        const auto t1 = std::chrono::steady_clock::now();
+        if (!st.ok()) {
+          std::fprintf(stderr, "%s: %s\n", v.name.c_str(), st.ToString().c_str());
+          std::exit(1);
+        }
+        sum.ms += 1e3 * std::chrono::duration<double>(t1 - t0).count();
+        sum.p1_ms += 1e3 * fs.pass1_seconds;
+        sum.p2_ms += 1e3 * fs.pass2_seconds;
+        sum.unique += routings.unique[r];
+        ++n;
+      }
+      return {sum.ms / n, sum.p1_ms / n, sum.p2_ms / n, sum.unique / n};
+    };
+    const size_t nv = g_variants.size();
+    for (const Variant& v : g_variants) run(v, 0.1);  // warm-up
+    std::vector<std::vector<Sample>> samples(nv);
+    std::vector<std::vector<double>> ratio(nv);
+    // DRAM readings before every rep and after the last; a rep is held against the higher of
+    // the readings on either side of it.
+    std::vector<double> dram{DramNow()};
+    for (int rep = 0; rep < g_ab_reps; ++rep) {
+      std::vector<Sample> this_rep(nv);
+      for (size_t i = 0; i < nv; ++i) {
+        const size_t vi = (i + rep) % nv;
+        this_rep[vi] = run(g_variants[vi], 0.15);
+      }
+      for (size_t vi = 0; vi < nv; ++vi) {
+        samples[vi].push_back(this_rep[vi]);
+        ratio[vi].push_back(this_rep[vi].ms / this_rep[0].ms);
+      }
+      dram.push_back(DramNow());
+    }
+    std::printf("case %s (DRAM %.1f GB/s median of %zu readings, range %.1f-%.1f; %d workers, "
+                "%d reps)\n",
+                c.c_str(), Median(dram), dram.size(), *std::min_element(dram.begin(), dram.end()),
+                *std::max_element(dram.begin(), dram.end()), Pool().num_workers(), g_ab_reps);
+    const double experts_per_route = dedup ? 0.0 : 1.0;
+    for (size_t vi = 0; vi < nv; ++vi) {
+      std::vector<double> ms, frac, f1, f2;
+      for (size_t rep = 0; rep < samples[vi].size(); ++rep) {
+        const Sample& smp = samples[vi][rep];
+        const double limit = std::max(dram[rep], dram[rep + 1]);
+        const double ub = smp.unique * b0.BytesPerExpert();
+        const double experts = experts_per_route > 0 ? T * kTopK : smp.unique;
+        ms.push_back(smp.ms);
+        frac.push_back(ub / (smp.ms * 1e-3) / 1e9 / limit);
+        f1.push_back(experts * b0.GateUpBytesPerExpert() / (smp.p1_ms * 1e-3) / 1e9 / limit);
+        f2.push_back(experts * b0.DownBytesPerExpert() / (smp.p2_ms * 1e-3) / 1e9 / limit);
+      }
+      std::printf("  %-14s ms_per_step=%.4f bw_fraction=%.3f pass1_bw_fraction=%.3f "
+                  "pass2_bw_fraction=%.3f ratio_to_%s=%.3f\n",
+                  g_variants[vi].name.c_str(), Median(ms), Median(frac), Median(f1), Median(f2),
+                  g_variants[0].name.c_str(), Median(ratio[vi]));
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 }  // namespace
 }  // namespace moe::cpu_moe
 
@@ -270,11 +515,34 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "bad %s\n", a.c_str());
         return 2;
       }
+    } else if (a.rfind("--hugepages=", 0) == 0) {
+      if (!absl::SimpleAtoi(a.substr(12), &moe::cpu_moe::g_hugepages)) {
+        std::fprintf(stderr, "bad %s\n", a.c_str());
+        return 2;
+      }
+    } else if (a.rfind("--ab=", 0) == 0) {
+      for (absl::string_view c : absl::StrSplit(a.substr(5), ',', absl::SkipEmpty())) {
+        moe::cpu_moe::g_ab_cases.emplace_back(c);
+      }
+    } else if (a.rfind("--variant=", 0) == 0) {
+      moe::cpu_moe::Variant v;
+      if (!moe::cpu_moe::ParseVariant(a.substr(10), &v)) {
+        std::fprintf(stderr, "bad %s (want --variant=name:ENV=value;ENV=value)\n", a.c_str());
+        return 2;
+      }
+      moe::cpu_moe::g_variants.push_back(v);
+    } else if (a.rfind("--ab_reps=", 0) == 0) {
+      if (!absl::SimpleAtoi(a.substr(10), &moe::cpu_moe::g_ab_reps) ||
+          moe::cpu_moe::g_ab_reps < 1) {
+        std::fprintf(stderr, "bad %s\n", a.c_str());
+        return 2;
+      }
     } else {
       argv[out++] = argv[i];
     }
   }
   argc = out;
+  if (!moe::cpu_moe::g_ab_cases.empty()) return moe::cpu_moe::RunAb();
   benchmark::AddCustomContext("cpu_moe_targets",
                               [] {
                                 std::string s;
@@ -288,7 +556,8 @@ int main(int argc, char** argv) {
     // each JSON of a sweep says which setting it measured.
     const moe::cpu_moe::Options o = moe::cpu_moe::Options::FromEnv();
     benchmark::AddCustomContext("cpu_moe_tuning",
-                                absl::StrCat("prefetch_bytes=", o.prefetch_bytes,
+                                absl::StrCat("hugepages=", moe::cpu_moe::g_hugepages,
+                                             " prefetch_bytes=", o.prefetch_bytes,
                                              " pass1_rows=", o.pass1_rows,
                                              " pass2_rows=", o.pass2_rows));
   }
