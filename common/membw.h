@@ -13,8 +13,8 @@ namespace moe::common {
 // Allocates `bytes` (2 MiB aligned, huge pages requested), writes every page from the workers that
 // will read it, then times `reps` full streaming reads split across all of pool's workers
 // (vectorized sums, Highway dynamic dispatch: AVX-512 / AVX2 / SSE4 as the CPU allows) and
-// returns the median in GB/s (1e9 bytes per second) as DramProbe::Measure does. `bytes` should be far larger than
-// LastLevelCacheBytes() (1 GiB is the usual choice), else this measures the cache. bytes is
+// returns the median in GB/s (1e9 bytes per second) as DramProbe::Measure does. `bytes` should be
+// far larger than LastLevelCacheBytes() (1 GiB is the usual choice), else this measures the cache. bytes is
 // rounded down to a multiple of 64 KiB (minimum 64 KiB); reps below 1 count as 1. Aborts if the
 // buffer cannot be allocated (a programmer's choice of size, not input).
 double MeasureDramReadGBps(ThreadPool& pool, size_t bytes, int reps);

@@ -57,7 +57,8 @@ constexpr int TileOf() {
 }
 HWY_INLINE void Pf(const void* p) { hwy::Prefetch(p); }
 // Bytes ahead of the current position that the row kernels prefetch in the weight stream
-// (Options::prefetch_bytes, per format by default, see Options::kAuto; 0: no software prefetch), carried in MatrixRef::prefetch.
+// (Options::prefetch_bytes, per format by default, see Options::kAuto; 0: no software
+// prefetch), carried in MatrixRef::prefetch.
 // Rows of a work item are contiguous, so the prefetch runs on into the next row; the hardware
 // prefetcher alone stalls at every 4 KiB page, and one core needs about 1-2 KiB in flight to
 // approach its share of DRAM bandwidth.

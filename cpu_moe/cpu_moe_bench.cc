@@ -14,7 +14,9 @@
 //   model_ms (what the traffic model predicts: bytes this mode reads / dram_gbps, i.e. unique
 //   bytes with dedup, route bytes without).
 // Flags (before Google Benchmark's own): --total_gb=<GB> (or env MOE_BENCH_TOTAL_GB),
-// --threads=<n> (default: physical cores), --hugepages=0 (weights on 4 KiB pages; by default they
+// --threads=<n> (default: physical cores), --probe_rounds=<n> (DRAM probe rounds per reading,
+// default 3; 1 on a slow machine, where one reading of the 4 x LLC buffer takes a second),
+// --hugepages=0 (weights on 4 KiB pages; by default they
 // are advised onto transparent huge pages like the probe's buffer). Env MOE_CPU_MAX_TARGET caps
 // the ISA as in the library.
 // Also reported: prep_ms, pass1_ms, pass2_ms, other_ms (where a step's time goes) and
@@ -56,6 +58,7 @@ constexpr int kH = 2048, kI = 768, kTopK = 8;
 double g_total_gb = 0.0;  // 0: default
 int g_threads = 0;
 int g_hugepages = 1;
+int g_probe_rounds = 3;
 
 common::ThreadPool& Pool() {
   static common::ThreadPool* pool =
@@ -63,8 +66,8 @@ common::ThreadPool& Pool() {
   return *pool;
 }
 
-// DRAM read bandwidth now (median of 3 reads of a buffer 4x the LLC, at least 1 GiB, all
-// workers). Read beside every case: the GPU machine's host, a VM, gave 120-175 GB/s in
+// DRAM read bandwidth now (median of --probe_rounds rounds over a buffer 4x the LLC, at least
+// 1 GiB, all workers). Read beside every case: the GPU machine's host, a VM, gave 120-175 GB/s in
 // successive processes, so one start-up reading made fractions swing by 30%.
 double DramNow() {
   static common::DramProbe* probe = [] {
@@ -74,7 +77,7 @@ double DramNow() {
                  Pool().num_workers(), bytes / 1e9, p->Measure(3));
     return p;
   }();
-  return probe->Measure(3);
+  return probe->Measure(g_probe_rounds);
 }
 
 // The process's AnonHugePages line of /proc/self/smaps_rollup ("?" where unreadable): how much
@@ -263,9 +266,10 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
 }
 
 // Cache-hot kernel throughput (not a DRAM figure): one bank of 8 experts (all routed by every
-// token; T=4 / 8: 4 / 8 routes per expert), reused every step, so the weights come from L2/L3. gbps_hot = weight bytes per step /
-// time. Run with --threads=1 to see one core's decode + dot rate, which must exceed the per-core
-// DRAM share of the target machine for the DRAM cases to be memory-bound.
+// token; T=4 / 8: 4 / 8 routes per expert), reused every step, so the weights come from L2/L3.
+// gbps_hot = weight bytes per step / time, and pass1_gbps_hot / pass2_gbps_hot the same per pass.
+// Run with --threads=1 to see one core's decode + dot rate, which must exceed the per-core DRAM
+// share of the target machine for the DRAM cases to be memory-bound.
 void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int T) {
   constexpr int kE = 8;
   static std::unique_ptr<testing::HostBank> hb;
@@ -512,6 +516,12 @@ int main(int argc, char** argv) {
       }
     } else if (a.rfind("--threads=", 0) == 0) {
       if (!absl::SimpleAtoi(a.substr(10), &g_threads)) {
+        std::fprintf(stderr, "bad %s\n", a.c_str());
+        return 2;
+      }
+    } else if (a.rfind("--probe_rounds=", 0) == 0) {
+      if (!absl::SimpleAtoi(a.substr(15), &moe::cpu_moe::g_probe_rounds) ||
+          moe::cpu_moe::g_probe_rounds < 1) {
         std::fprintf(stderr, "bad %s\n", a.c_str());
         return 2;
       }
