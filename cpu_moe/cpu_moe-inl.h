@@ -3,8 +3,9 @@
 //
 // Layout of the work (see cpu_moe.h and seed 003):
 //   prep x  -> pass 1 (gate_up rows, split by (group, row block), routes of the group inner)
-//           -> h [routes, I] -> prep h -> pass 2 (down rows, split by H-block over all groups
-//              when deduping, by (token, H-block) otherwise) -> y.
+//           -> h [routes, I] -> prep h -> pass 2 (down rows, split by (group, H-block) the same
+//              way) -> part [routes, H] -> per token, the sum of its routes' rows -> y.
+// A group is a unique expert with all its routes when deduping, a single route otherwise.
 // Each weight row is decoded once per work item and dotted against up to 4 (bf16, fp8) or 8 (int8
 // formats) routes at a time, so a row shared by several tokens is read from DRAM once and reused
 // from registers / L1.
@@ -928,7 +929,6 @@ constexpr bool kFuseRows = true;
 // Neither changes any row's arithmetic: a row's dot has its own accumulators whatever row it is
 // paired with, a pass-1 row is computed whole by one item, and a pass-2 item owns its output
 // rows, adding routes in group order.
-constexpr size_t kMaxPass2RowBlock = Options::kMaxRowsPerItem;
 
 
 template <common::WeightFormat F>
@@ -1048,78 +1048,60 @@ void ForwardFormat(ForwardPlan& plan) {
     }
   };
 
-  if (plan.dedup_pass2) {
-    // One item per H-block owns every token's outputs there; each expert's down rows are read
-    // once and reused across its routes; accumulation in private fp32.
-    std::vector<std::vector<float>> accs(workers);
-    pool.ParallelFor(nhb, [&](uint64_t hb, int worker) {
-      const size_t h0 = hb * pass2_rows, h1 = std::min(H, h0 + pass2_rows);
-      const size_t nb = h1 - h0;
-      std::vector<float>& acc = accs[worker];
-      acc.assign(active_tokens.size() * nb, 0.0f);
+  {
+    // Split like pass 1: one item per (group, H-block), so an expert's down rows are read once
+    // and reused across its routes; each route's weighted dots of the block go to its own row of
+    // `part` (written by exactly one item: no reduction between workers), then every token's y
+    // sums its routes' rows in route order (a fixed order: results do not depend on the split).
+    // This replaced seed 003's pass 2 (one item per H-block owning every token's outputs and
+    // visiting every expert): there the item count tied the rows per item to H / workers, and
+    // short per-expert streams ran pass 2 at 0.55-0.73 of DRAM on the GPU machine's host; with
+    // 128-row blocks of one expert per item the host's T=64 steps ran 5-9% faster side by side
+    // (benchmarks/h200host_tuning_2026-11-30_session2.md).
+    common::AlignedBuffer<float> part(std::max<size_t>(1, R * H));
+    pool.ParallelFor(plan.groups.size() * nhb, [&](uint64_t item, int) {
+      const internal::ExpertGroup& g = plan.groups[item / nhb];
+      const size_t h0 = (item % nhb) * pass2_rows, h1 = std::min(H, h0 + pass2_rows);
+      const size_t half = (h1 - h0) / 2;
+      PrefetchRow(down, g.expert, h0, row_bytes2);
+      PrefetchRow(down, g.expert, h0 + half, row_bytes2);
+      const int n = g.end - g.begin;
       ActView acts[64];
+      float* dst[64];
+      float wt[64];
       float dots[2][64];
       float* const out[2] = {dots[0], dots[1]};
-      const size_t half = nb / 2;
-      for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
-        const internal::ExpertGroup& g = plan.groups[gi];
-        if (gi + 1 < plan.groups.size()) {
-          // The next expert's two streams (see the row pairing above).
-          PrefetchRow(down, plan.groups[gi + 1].expert, h0, row_bytes2);
-          PrefetchRow(down, plan.groups[gi + 1].expert, h0 + half, row_bytes2);
+      for (int c0 = 0; c0 < n; c0 += 64) {
+        const int nc = std::min(64, n - c0);
+        for (int i = 0; i < nc; ++i) {
+          const size_t route = plan.group_routes[g.begin + c0 + i];
+          acts[i] = hacts.View(route);
+          dst[i] = part.data() + route * H;
+          wt[i] = plan.route_weight[route];
         }
-        const int n = g.end - g.begin;
-        for (int c0 = 0; c0 < n; c0 += 64) {
-          const int nc = std::min(64, n - c0);
-          float* dst[64];  // the block's accumulators of each route's token
-          float wt[64];
-          for (int i = 0; i < nc; ++i) {
-            const size_t route = plan.group_routes[g.begin + c0 + i];
-            acts[i] = hacts.View(route);
-            dst[i] = acc.data() + token_slot[plan.route_token[route]] * nb;
-            wt[i] = plan.route_weight[route];
-          }
-          for (size_t p = 0; p < half; ++p) {
-            const size_t abs_rows[2] = {h0 + p, h0 + half + p};
-            DotRowsMany<F, 2>(down, g.expert, abs_rows, acts, nc, out);
-            for (int i = 0; i < nc; ++i) {
-              dst[i][p] += wt[i] * dots[0][i];
-              dst[i][half + p] += wt[i] * dots[1][i];
-            }
-          }
-        }
-      }
-      for (size_t s = 0; s < active_tokens.size(); ++s) {
-        write_y(active_tokens[s], h0, h1, acc.data() + s * nb);
-      }
-    });
-  } else {
-    pool.ParallelFor(active_tokens.size() * nhb, [&](uint64_t item, int) {
-      const size_t t = active_tokens[item / nhb];
-      const size_t h0 = (item % nhb) * pass2_rows, h1 = std::min(H, h0 + pass2_rows);
-      float acc[kMaxPass2RowBlock];
-      std::fill_n(acc, h1 - h0, 0.0f);
-      const int rb = plan.token_route_begin[t], re = plan.token_route_begin[t + 1];
-      const size_t half = (h1 - h0) / 2;
-      PrefetchRow(down, plan.route_expert[rb], h0, row_bytes2);
-      PrefetchRow(down, plan.route_expert[rb], h0 + half, row_bytes2);
-      for (int route = rb; route < re; ++route) {
-        const ActView act = hacts.View(route);
-        const int expert = plan.route_expert[route];
-        if (route + 1 < re) {
-          PrefetchRow(down, plan.route_expert[route + 1], h0, row_bytes2);
-          PrefetchRow(down, plan.route_expert[route + 1], h0 + half, row_bytes2);
-        }
-        const float w = plan.route_weight[route];
         for (size_t p = 0; p < half; ++p) {
           const size_t rows[2] = {h0 + p, h0 + half + p};
-          float dot[2][kTile];
-          DotRowsN<F, 2, 1>(down, expert, rows, &act, dot);
-          acc[p] += w * dot[0][0];
-          acc[half + p] += w * dot[1][0];
+          DotRowsMany<F, 2>(down, g.expert, rows, acts, nc, out);
+          for (int i = 0; i < nc; ++i) {
+            dst[i][rows[0]] = wt[i] * dots[0][i];
+            dst[i][rows[1]] = wt[i] * dots[1][i];
+          }
         }
       }
-      write_y(t, h0, h1, acc);
+    });
+    constexpr size_t kYBlock = 512;
+    const size_t nyb = (H + kYBlock - 1) / kYBlock;
+    pool.ParallelFor(active_tokens.size() * nyb, [&](uint64_t item, int) {
+      const size_t t = active_tokens[item / nyb];
+      const size_t h0 = (item % nyb) * kYBlock, h1 = std::min(H, h0 + kYBlock);
+      float sum[kYBlock];
+      const int rb = plan.token_route_begin[t], re = plan.token_route_begin[t + 1];
+      std::copy(part.data() + rb * H + h0, part.data() + rb * H + h1, sum);
+      for (int route = rb + 1; route < re; ++route) {
+        const float* pr = part.data() + route * H;
+        for (size_t j = h0; j < h1; ++j) sum[j - h0] += pr[j];
+      }
+      write_y(t, h0, h1, sum);
     });
   }
   lap(3);

@@ -5,7 +5,8 @@
 // for experts held in host memory in any of the common weight formats (bf16, fp8_block, q4_0,
 // nvfp4, mxfp4). The GEMVs are DRAM-bound, so the kernel is organised around reading each expert
 // row once per call: routes are grouped by expert and both passes (gate_up, then down) split
-// their work by unique expert (seed 003), so tokens that share an expert share its bytes.
+// their work by (unique expert, row block) (seed 003), so tokens that share an expert share its
+// bytes; pass 2 writes each route's rows apart and sums every token's routes at the end.
 // Quantized formats use int8 dot products (VNNI where the CPU has it) against activations
 // quantized per 32-element block like llama.cpp's Q8_0; bf16 and fp8 use fp32 FMAs.
 // ISA targets come from Highway dynamic dispatch, chosen once per Forward call.
@@ -104,6 +105,7 @@ struct Options {
   // 16 rows per item (bf16 T=1 99 -> 113 GB/s over 1024 bytes); fp8 2048 bytes with 64 rows
   // (2-9% over 4096 / 16); the 4-bit formats 1024 bytes (four times as many rows of their
   // smaller rows) with 64 rows per item (q4_0 T=1 80 -> 88, nvfp4 78 -> 87 GB/s over 16 rows).
+  // Pass 2 takes 128 rows per item in every format.
   static constexpr int kAuto = -1;
   // Bytes ahead of the current position that the row kernels prefetch in the weight stream (and
   // how much of the next row / expert's rows is prefetched up front). 0 turns software prefetch
@@ -111,8 +113,8 @@ struct Options {
   static constexpr int kMaxPrefetchBytes = 8192;
   int prefetch_bytes = kAuto;
   // Rows per work item: pass 1 gate rows (each with its up row) per item, any value in
-  // [1, kMaxRowsPerItem]; pass 2 H rows per item, even (rows are dotted in adjacent pairs) in
-  // [2, kMaxRowsPerItem].
+  // [1, kMaxRowsPerItem]; pass 2 H rows of one expert per item, even (a block's rows are dotted
+  // in pairs, row p with row p + rows/2) in [2, kMaxRowsPerItem].
   static constexpr int kMaxRowsPerItem = 256;
   int pass1_rows = kAuto;
   int pass2_rows = kAuto;

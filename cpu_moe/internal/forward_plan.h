@@ -33,14 +33,13 @@ struct ForwardPlan {
   std::vector<int> route_token;
   std::vector<float> route_weight;
   std::vector<int> route_expert;
-  // Work groups for pass 1 (and pass 2 when dedup is on): one per unique expert when deduping,
-  // else one per route (expert repeated). group_routes indexes routes.
+  // Work groups of both passes: one per unique expert when deduping, else one per route (expert
+  // repeated). group_routes indexes routes.
   std::vector<ExpertGroup> groups;
   std::vector<int> group_routes;
-  // Per token: routes [token_route_begin[t], token_route_begin[t+1]) (plain pass 2).
+  // Per token: routes [token_route_begin[t], token_route_begin[t+1]) (summed at the end of
+  // pass 2).
   std::vector<int> token_route_begin;
-  // Pass 2 split by H-block over all groups (dedup) or by (token, H-block) (plain).
-  bool dedup_pass2;
 
   // Wall time of the phases, filled by the kernels (caller thread's clock): activation prep of x,
   // pass 1, activation prep of h, pass 2.
