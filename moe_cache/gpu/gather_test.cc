@@ -71,6 +71,24 @@ TEST(ExpertStoreTest, WritesLandInTheirRowsAndBadWritesAreRejected) {
   EXPECT_FALSE(ExpertStore::Create({0, 3, false}, TestLayout()).ok());
 }
 
+TEST(ExpertStoreTest, LargePageableBanksAreHugePageAlignedAndHoldTheirRows) {
+  if (common::CudaAvailable().ok()) {
+    GTEST_SKIP() << "a visible GPU makes the store pinned-mapped; this checks the pageable path";
+  }
+  // 1 layer x 600 experts x 4096 bytes: the first bank is over 2 MiB, the others are not.
+  auto store = ExpertStore::Create({1, 600, false}, TestLayout());
+  ASSERT_TRUE(store.ok()) << store.status();
+  ASSERT_EQ((*store)->memory_kind(), HostMemoryKind::kPageable);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>((*store)->bank_host(0)) % (size_t{2} << 20), 0u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>((*store)->bank_host(1)) % 64, 0u);
+  std::vector<uint8_t> row(4096);
+  for (int e : {0, 311, 599}) {
+    for (size_t i = 0; i < row.size(); ++i) row[i] = static_cast<uint8_t>(i * 7 + e);
+    ASSERT_TRUE((*store)->WriteBank(0, e, 0, row).ok());
+    EXPECT_EQ(std::memcmp((*store)->expert_bank(e, 0), row.data(), row.size()), 0) << e;
+  }
+}
+
 TEST(SlotPoolTest, SlotsFollowTheByteBudget) {
   BankLayout layout = TestLayout();
   const uint64_t per = layout.padded_bytes_per_expert();
