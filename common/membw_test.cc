@@ -18,6 +18,18 @@ TEST(MembwTest, LastLevelCacheIsPlausibleOrUnknown) {
   }
 }
 
+TEST(MembwTest, ProbeKeepsItsBufferAndReadsRepeatedly) {
+  ThreadPool pool(2);
+  DramProbe probe(pool, (32 << 20) + 12345);  // rounded down to whole 64 KiB chunks
+  EXPECT_EQ(probe.bytes(), size_t{32} << 20);
+  for (int i = 0; i < 3; ++i) {
+    const double gbps = probe.Measure(1 + i);
+    EXPECT_TRUE(std::isfinite(gbps));
+    EXPECT_GT(gbps, 0.1);
+    EXPECT_LT(gbps, 10000.0);
+  }
+}
+
 TEST(MembwTest, SmallMeasurementGivesAFinitePositiveRate) {
   // Not a bandwidth claim (the buffer is small and the machine shared): only that the probe runs,
   // reads everything and returns a sane number. membw_probe measures the real figure.

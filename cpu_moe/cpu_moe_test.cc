@@ -15,6 +15,7 @@
 // bounded by the int8 activation error (two stages of about 0.4% RMS each) for quantized formats,
 // by fp32 rounding otherwise.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -247,6 +248,36 @@ TEST_F(CpuMoeTest, DedupOnOffAgreeAndInertWithoutSharing) {
       }
     }
   }
+}
+
+TEST_F(CpuMoeTest, StatsReportPhaseTimes) {
+  std::mt19937_64 rng(9);
+  const HostBank hb = MakeRandomBank(WeightFormat::kQ4_0, kE, kH, kI, 5);
+  const int T = 4;
+  const Routing r = MakeRouting(T, kE, kTopK, 1.0, rng);
+  const std::vector<float> x = RandomX(T, kH, rng);
+  std::vector<float> y(x.size());
+  ForwardStats st;
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(
+      Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), Options(), pool_, &st)
+          .ok());
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GT(st.pass1_seconds, 0.0);
+  EXPECT_GT(st.pass2_seconds, 0.0);
+  EXPECT_GE(st.prep_x_seconds, 0.0);
+  EXPECT_GE(st.prep_h_seconds, 0.0);
+  EXPECT_LE(st.prep_x_seconds + st.pass1_seconds + st.prep_h_seconds + st.pass2_seconds, wall);
+  // All padding: no phase runs, and the stats say so.
+  const std::vector<int32_t> pad(static_cast<size_t>(T) * kTopK, -1);
+  ForwardStats none;
+  none.pass1_seconds = 1.0;
+  ASSERT_TRUE(
+      Forward(hb.bank, T, kTopK, pad, r.weights, x, absl::MakeSpan(y), Options(), pool_, &none)
+          .ok());
+  EXPECT_EQ(none.routes, 0);
+  EXPECT_EQ(none.pass1_seconds, 0.0);
+  EXPECT_EQ(none.pass2_seconds, 0.0);
 }
 
 TEST_F(CpuMoeTest, Bf16IoSwigluOaiAndAccumulate) {
