@@ -505,28 +505,31 @@ int main(int argc, char** argv) {
   if (const char* e = std::getenv("MOE_BENCH_TOTAL_GB"); e != nullptr) {
     (void)absl::SimpleAtod(e, &g_total_gb);
   }
-  // Take our flags out before Google Benchmark sees argv.
+  // Take our flags out before Google Benchmark sees argv. Integer flags with their minimum.
+  struct IntFlag {
+    const char* prefix;
+    int* value;
+    int min;
+  };
+  const IntFlag int_flags[] = {{"--threads=", &g_threads, 0},
+                               {"--probe_rounds=", &moe::cpu_moe::g_probe_rounds, 1},
+                               {"--hugepages=", &moe::cpu_moe::g_hugepages, 0},
+                               {"--ab_reps=", &moe::cpu_moe::g_ab_reps, 1}};
   int out = 1;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a.rfind("--total_gb=", 0) == 0) {
+    const IntFlag* flag = nullptr;
+    for (const IntFlag& f : int_flags) {
+      if (a.rfind(f.prefix, 0) == 0) flag = &f;
+    }
+    if (flag != nullptr) {
+      if (!absl::SimpleAtoi(a.substr(std::strlen(flag->prefix)), flag->value) ||
+          *flag->value < flag->min) {
+        std::fprintf(stderr, "bad %s (an integer >= %d)\n", a.c_str(), flag->min);
+        return 2;
+      }
+    } else if (a.rfind("--total_gb=", 0) == 0) {
       if (!absl::SimpleAtod(a.substr(11), &g_total_gb)) {
-        std::fprintf(stderr, "bad %s\n", a.c_str());
-        return 2;
-      }
-    } else if (a.rfind("--threads=", 0) == 0) {
-      if (!absl::SimpleAtoi(a.substr(10), &g_threads)) {
-        std::fprintf(stderr, "bad %s\n", a.c_str());
-        return 2;
-      }
-    } else if (a.rfind("--probe_rounds=", 0) == 0) {
-      if (!absl::SimpleAtoi(a.substr(15), &moe::cpu_moe::g_probe_rounds) ||
-          moe::cpu_moe::g_probe_rounds < 1) {
-        std::fprintf(stderr, "bad %s\n", a.c_str());
-        return 2;
-      }
-    } else if (a.rfind("--hugepages=", 0) == 0) {
-      if (!absl::SimpleAtoi(a.substr(12), &moe::cpu_moe::g_hugepages)) {
         std::fprintf(stderr, "bad %s\n", a.c_str());
         return 2;
       }
@@ -541,12 +544,6 @@ int main(int argc, char** argv) {
         return 2;
       }
       moe::cpu_moe::g_variants.push_back(v);
-    } else if (a.rfind("--ab_reps=", 0) == 0) {
-      if (!absl::SimpleAtoi(a.substr(10), &moe::cpu_moe::g_ab_reps) ||
-          moe::cpu_moe::g_ab_reps < 1) {
-        std::fprintf(stderr, "bad %s\n", a.c_str());
-        return 2;
-      }
     } else {
       argv[out++] = argv[i];
     }
