@@ -18,11 +18,14 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "common/aligned_buffer.h"
@@ -129,14 +132,19 @@ class ActSet {
   }
 
   // Fills vector i from x[k].
-  void Prepare(size_t i, const float* HWY_RESTRICT x) {
+  void Prepare(size_t i, const float* HWY_RESTRICT x) { PrepareRange(i, x, 0, k_); }
+
+  // Fills elements [c0, c1) of vector i from x[c0, c1) (x is the whole vector). c0 and c1 must
+  // be multiples of Granule() or c1 == k: the layouts group elements in blocks (int8 scales per
+  // 32, fp8's table order per 64 on AVX3_DL, bf16 pairs), and a range covers whole blocks.
+  void PrepareRange(size_t i, const float* HWY_RESTRICT x, size_t c0, size_t c1) {
     const ActView v = View(i);
     if constexpr (IsQuant<F>()) {
       int8_t* lo = const_cast<int8_t*>(v.q);
       int8_t* hi = lo + k_ / 2;
       float* xs = reinterpret_cast<float*>(lo + k_);
       int32_t* neg = reinterpret_cast<int32_t*>(lo + 3 * k_ / 2);
-      for (size_t b = 0; b < k_ / 32; ++b) {
+      for (size_t b = c0 / 32; b < c1 / 32; ++b) {
         const float* xb = x + 32 * b;
         // Vectorized, same IEEE operations as the scalar definition: amax = max |x|,
         // d = amax / 127, q = round-to-nearest-even(clamp(x * (1 / d), -127, 127)).
@@ -175,7 +183,7 @@ class ActSet {
     } else if constexpr (F == common::WeightFormat::kBf16) {
       float* xe = const_cast<float*>(v.xe);
       float* xo = const_cast<float*>(v.xo);
-      for (size_t j = 0; j < k_ / 2; ++j) {
+      for (size_t j = c0 / 2; j < c1 / 2; ++j) {
         xe[j] = x[2 * j];
         xo[j] = x[2 * j + 1];
       }
@@ -183,7 +191,7 @@ class ActSet {
 #if HWY_TARGET == HWY_AVX3_DL
       // The chunk order of Fp8DotRows' table decode (see ActView); k_ is a multiple of 32.
       float* xf = const_cast<float*>(v.xf);
-      for (size_t c = 0; c < k_; c += 64) {
+      for (size_t c = c0; c < c1; c += 64) {
         const size_t nj = c + 64 <= k_ ? 16 : 8;  // floats per vector: full chunk or 32-col tail
         for (size_t vec = 0; vec < 4; ++vec) {
           for (size_t j = 0; j < nj; ++j) {
@@ -192,9 +200,20 @@ class ActSet {
         }
       }
 #else
-      std::memcpy(const_cast<float*>(v.xf), x, k_ * sizeof(float));
+      std::memcpy(const_cast<float*>(v.xf) + c0, x + c0, (c1 - c0) * sizeof(float));
 #endif
     }
+  }
+
+  // See PrepareRange.
+  static constexpr size_t Granule() {
+    if constexpr (IsQuant<F>()) return 32;
+    if constexpr (F == common::WeightFormat::kBf16) return 2;
+#if HWY_TARGET == HWY_AVX3_DL
+    return 64;
+#else
+    return 1;
+#endif
   }
 
   size_t size() const { return n_; }
@@ -987,14 +1006,20 @@ void ForwardFormat(ForwardPlan& plan) {
   // Pass 1: h[route, I] = act(gate x, up x); the up dots go to u first.
   common::AlignedBuffer<float> h(std::max<size_t>(1, R * I));
   common::AlignedBuffer<float> u(std::max<size_t>(1, R * I));
+  ActSet<F> hacts(R, I);
+  const size_t G = plan.groups.size();
   const size_t nrb = (I + pass1_rows - 1) / pass1_rows;
   const size_t row_bytes1 = RowBytes(F, H);
-  pool.ParallelFor(plan.groups.size() * nrb, [&](uint64_t item, int) {
+  // Overlapped passes (Options::overlap_passes): a pass-1 item also prepares its rows of h for
+  // pass 2, which takes whole activation blocks (ActSet::Granule) per item.
+  const bool overlap = opt.overlap_passes && pass1_rows % ActSet<F>::Granule() == 0;
+  auto pass1_item = [&](size_t item) {
     const internal::ExpertGroup& g = plan.groups[item / nrb];
     const size_t r0 = (item % nrb) * pass1_rows;
     const size_t r1 = std::min(I, r0 + pass1_rows);
     const int n = g.end - g.begin;
     ActView acts[64];
+    size_t route_of[64];
     float* hrow[64];  // h and u rows of the chunk's routes
     float* urow[64];
     float gs[64], us[64];
@@ -1005,6 +1030,7 @@ void ForwardFormat(ForwardPlan& plan) {
       const int nc = std::min(64, n - c0);
       for (int i = 0; i < nc; ++i) {
         const size_t route = plan.group_routes[g.begin + c0 + i];
+        route_of[i] = route;
         acts[i] = xacts.View(token_slot[plan.route_token[route]]);
         hrow[i] = h.data() + route * I;
         urow[i] = u.data() + route * I;
@@ -1023,88 +1049,136 @@ void ForwardFormat(ForwardPlan& plan) {
           urow[i][r] = us[i];
         }
       }
-      for (int i = 0; i < nc; ++i) ApplyActivation(opt, hrow[i] + r0, urow[i] + r0, r1 - r0);
-    }
-  });
-
-  lap(1);
-  ActSet<F> hacts(R, I);
-  pool.ParallelFor(R, [&](uint64_t r, int) { hacts.Prepare(r, h.data() + r * I); });
-  lap(2);
-
-  // Pass 2: y[t, H-block] = sum over routes of w * down_e h.
-  const size_t nhb = (H + pass2_rows - 1) / pass2_rows;
-  const size_t row_bytes2 = RowBytes(F, I);
-  auto write_y = [&](size_t t, size_t h0, size_t h1, const float* vals) {
-    if (plan.y_dtype == DType::kF32) {
-      float* yr = static_cast<float*>(plan.y) + t * H;
-      for (size_t j = h0; j < h1; ++j) yr[j] = (opt.accumulate ? yr[j] : 0.0f) + vals[j - h0];
-    } else {
-      uint16_t* yr = static_cast<uint16_t*>(plan.y) + t * H;
-      for (size_t j = h0; j < h1; ++j) {
-        const float prev = opt.accumulate ? common::Bf16ToFloat(yr[j]) : 0.0f;
-        yr[j] = common::FloatToBf16(prev + vals[j - h0]);
+      for (int i = 0; i < nc; ++i) {
+        ApplyActivation(opt, hrow[i] + r0, urow[i] + r0, r1 - r0);
+        if (overlap) hacts.PrepareRange(route_of[i], hrow[i], r0, r1);
       }
     }
   };
 
-  {
-    // Split like pass 1: one item per (group, H-block), so an expert's down rows are read once
-    // and reused across its routes; each route's weighted dots of the block go to its own row of
-    // `part` (written by exactly one item: no reduction between workers), then every token's y
-    // sums its routes' rows in route order (a fixed order: results do not depend on the split).
-    // This replaced seed 003's pass 2 (one item per H-block owning every token's outputs and
-    // visiting every expert): there the item count tied the rows per item to H / workers, and
-    // short per-expert streams ran pass 2 at 0.55-0.73 of DRAM on the GPU machine's host; with
-    // 128-row blocks of one expert per item the host's T=64 steps ran 5-9% faster side by side
-    // (benchmarks/h200host_tuning_2026-11-30_session2.md).
-    common::AlignedBuffer<float> part(std::max<size_t>(1, R * H));
-    pool.ParallelFor(plan.groups.size() * nhb, [&](uint64_t item, int) {
-      const internal::ExpertGroup& g = plan.groups[item / nhb];
-      const size_t h0 = (item % nhb) * pass2_rows, h1 = std::min(H, h0 + pass2_rows);
-      const size_t half = (h1 - h0) / 2;
-      PrefetchRow(down, g.expert, h0, row_bytes2);
-      PrefetchRow(down, g.expert, h0 + half, row_bytes2);
-      const int n = g.end - g.begin;
-      ActView acts[64];
-      float* dst[64];
-      float wt[64];
-      float dots[2][64];
-      float* const out[2] = {dots[0], dots[1]};
-      for (int c0 = 0; c0 < n; c0 += 64) {
-        const int nc = std::min(64, n - c0);
+  // Pass 2: y[t, H-block] = sum over routes of w * down_e h.
+  // Split like pass 1: one item per (group, H-block), so an expert's down rows are read once and
+  // reused across its routes; each route's weighted dots of the block go to its own row of `part`
+  // (written by exactly one item: no reduction between workers), then every token's y sums its
+  // routes' rows in route order (a fixed order: results do not depend on the split). This
+  // replaced seed 003's pass 2 (one item per H-block owning every token's outputs and visiting
+  // every expert): there the item count tied the rows per item to H / workers, and short
+  // per-expert streams ran pass 2 at 0.55-0.73 of DRAM on the GPU machine's host; with 128-row
+  // blocks of one expert per item the host's T=64 steps ran 5-9% faster side by side
+  // (benchmarks/h200host_tuning_2026-11-30_session2.md).
+  const size_t nhb = (H + pass2_rows - 1) / pass2_rows;
+  const size_t row_bytes2 = RowBytes(F, I);
+  common::AlignedBuffer<float> part(std::max<size_t>(1, R * H));
+  auto pass2_item = [&](size_t item) {
+    const internal::ExpertGroup& g = plan.groups[item / nhb];
+    const size_t h0 = (item % nhb) * pass2_rows, h1 = std::min(H, h0 + pass2_rows);
+    const size_t half = (h1 - h0) / 2;
+    PrefetchRow(down, g.expert, h0, row_bytes2);
+    PrefetchRow(down, g.expert, h0 + half, row_bytes2);
+    const int n = g.end - g.begin;
+    ActView acts[64];
+    float* dst[64];
+    float wt[64];
+    float dots[2][64];
+    float* const out[2] = {dots[0], dots[1]};
+    for (int c0 = 0; c0 < n; c0 += 64) {
+      const int nc = std::min(64, n - c0);
+      for (int i = 0; i < nc; ++i) {
+        const size_t route = plan.group_routes[g.begin + c0 + i];
+        acts[i] = hacts.View(route);
+        dst[i] = part.data() + route * H;
+        wt[i] = plan.route_weight[route];
+      }
+      for (size_t p = 0; p < half; ++p) {
+        const size_t rows[2] = {h0 + p, h0 + half + p};
+        DotRowsMany<F, 2>(down, g.expert, rows, acts, nc, out);
         for (int i = 0; i < nc; ++i) {
-          const size_t route = plan.group_routes[g.begin + c0 + i];
-          acts[i] = hacts.View(route);
-          dst[i] = part.data() + route * H;
-          wt[i] = plan.route_weight[route];
-        }
-        for (size_t p = 0; p < half; ++p) {
-          const size_t rows[2] = {h0 + p, h0 + half + p};
-          DotRowsMany<F, 2>(down, g.expert, rows, acts, nc, out);
-          for (int i = 0; i < nc; ++i) {
-            dst[i][rows[0]] = wt[i] * dots[0][i];
-            dst[i][rows[1]] = wt[i] * dots[1][i];
-          }
+          dst[i][rows[0]] = wt[i] * dots[0][i];
+          dst[i][rows[1]] = wt[i] * dots[1][i];
         }
       }
-    });
-    constexpr size_t kYBlock = 512;
+    }
+  };
+  // y[t, h0:h1] = (accumulate ? y : 0) + the sum of t's routes' rows of `part`, in route order.
+  constexpr size_t kYBlock = 512;
+  static_assert(kYBlock >= Options::kMaxRowsPerItem, "a pass-2 block must fit in one y block");
+  auto reduce_y = [&](size_t t, size_t h0, size_t h1) {
+    float sum[kYBlock];
+    const int rb = plan.token_route_begin[t], re = plan.token_route_begin[t + 1];
+    std::copy(part.data() + rb * H + h0, part.data() + rb * H + h1, sum);
+    for (int route = rb + 1; route < re; ++route) {
+      const float* pr = part.data() + route * H;
+      for (size_t j = h0; j < h1; ++j) sum[j - h0] += pr[j];
+    }
+    if (plan.y_dtype == DType::kF32) {
+      float* yr = static_cast<float*>(plan.y) + t * H;
+      for (size_t j = h0; j < h1; ++j) yr[j] = (opt.accumulate ? yr[j] : 0.0f) + sum[j - h0];
+    } else {
+      uint16_t* yr = static_cast<uint16_t*>(plan.y) + t * H;
+      for (size_t j = h0; j < h1; ++j) {
+        const float prev = opt.accumulate ? common::Bf16ToFloat(yr[j]) : 0.0f;
+        yr[j] = common::FloatToBf16(prev + sum[j - h0]);
+      }
+    }
+  };
+
+  if (!overlap) {
+    // Four fork-joins: pass 1, prep h, pass 2, y.
+    pool.ParallelFor(G * nrb, [&](uint64_t item, int) { pass1_item(item); });
+    lap(1);
+    pool.ParallelFor(R, [&](uint64_t r, int) { hacts.Prepare(r, h.data() + r * I); });
+    lap(2);
+    pool.ParallelFor(G * nhb, [&](uint64_t item, int) { pass2_item(item); });
     const size_t nyb = (H + kYBlock - 1) / kYBlock;
     pool.ParallelFor(active_tokens.size() * nyb, [&](uint64_t item, int) {
-      const size_t t = active_tokens[item / nyb];
-      const size_t h0 = (item % nyb) * kYBlock, h1 = std::min(H, h0 + kYBlock);
-      float sum[kYBlock];
-      const int rb = plan.token_route_begin[t], re = plan.token_route_begin[t + 1];
-      std::copy(part.data() + rb * H + h0, part.data() + rb * H + h1, sum);
-      for (int route = rb + 1; route < re; ++route) {
-        const float* pr = part.data() + route * H;
-        for (size_t j = h0; j < h1; ++j) sum[j - h0] += pr[j];
-      }
-      write_y(t, h0, h1, sum);
+      const size_t h0 = (item % nyb) * kYBlock;
+      reduce_y(active_tokens[item / nyb], h0, std::min(H, h0 + kYBlock));
     });
+    lap(3);
+    return;
   }
-  lap(3);
+
+  // One fork-join for both passes and the sums: items are claimed in order, all of pass 1 before
+  // any of pass 2, so workers that run out of pass-1 items go on with pass-2 items of groups
+  // whose pass 1 is complete (the first groups, done long before) instead of idling at a barrier
+  // while the last pass-1 items finish: the weight streams never drain between the passes. A
+  // pass-2 item waits (rarely) until its group's pass-1 items are all done; they were claimed
+  // earlier by workers that wait on nothing, so the wait ends. The worker that completes the
+  // last group of an H-block sums that block of y, so no further join is needed.
+  std::unique_ptr<std::atomic<int>[]> pending1(new std::atomic<int>[G]);
+  for (size_t g = 0; g < G; ++g) pending1[g].store(static_cast<int>(nrb), std::memory_order_relaxed);
+  std::unique_ptr<std::atomic<int>[]> pending2(new std::atomic<int>[nhb]);
+  for (size_t b = 0; b < nhb; ++b) pending2[b].store(static_cast<int>(G), std::memory_order_relaxed);
+  std::atomic<size_t> pass1_left{G * nrb};
+  Clock::time_point pass1_end{};  // written by the worker that finishes pass 1's last item
+  const Clock::time_point start = Clock::now();
+  const size_t n1 = G * nrb;
+  pool.ParallelFor(n1 + G * nhb, [&](uint64_t item, int) {
+    if (item < n1) {
+      pass1_item(item);
+      pending1[item / nrb].fetch_sub(1, std::memory_order_release);
+      if (pass1_left.fetch_sub(1, std::memory_order_acq_rel) == 1) pass1_end = Clock::now();
+      return;
+    }
+    item -= n1;
+    for (int spins = 0; pending1[item / nhb].load(std::memory_order_acquire) != 0; ++spins) {
+      if (spins < 4096) {
+        hwy::Pause();
+      } else {
+        std::this_thread::yield();  // a pass-1 worker may have been preempted
+      }
+    }
+    pass2_item(item);
+    const size_t b = item % nhb;
+    if (pending2[b].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      const size_t h0 = b * pass2_rows, h1 = std::min(H, h0 + pass2_rows);
+      for (int t : active_tokens) reduce_y(t, h0, h1);
+    }
+  });
+  const Clock::time_point end = Clock::now();
+  plan.phase_seconds[1] = std::chrono::duration<double>(pass1_end - start).count();
+  plan.phase_seconds[2] = 0.0;  // done inside pass 1
+  plan.phase_seconds[3] = std::chrono::duration<double>(end - pass1_end).count();
 }
 
 void ForwardImpl(ForwardPlan& plan) {

@@ -306,6 +306,7 @@ size_t ExpertBank::DownBytesPerExpert() const {
 Options Options::FromEnv() {
   Options o;
   EnvFlag("MOE_CPU_DEDUP", &o.dedup);
+  EnvFlag("MOE_CPU_OVERLAP", &o.overlap_passes);
   EnvFlag("MOE_CPU_DEBUG", &o.debug);
   if (const char* t = std::getenv("MOE_CPU_MAX_TARGET"); t != nullptr) o.max_target = t;
   if (const char* v = std::getenv("MOE_CPU_ONEDNN_MIN_TOKENS"); v != nullptr && *v != '\0') {

@@ -77,6 +77,13 @@ struct Options {
   // Group routes by expert in both passes (seed 003). Inert at T=1 and whenever every route has a
   // distinct expert: the work split is then exactly the plain one.
   bool dedup = true;
+  // Run pass 1, pass 2 and the per-token sums as one fork-join: workers that run out of pass-1
+  // items go on with pass-2 items of experts whose pass 1 is complete, so the weight streams do
+  // not drain at a barrier between the passes, and each pass-1 item prepares its own rows of the
+  // activations for pass 2. Results are bit-identical either way. Needs pass1_rows to be a
+  // multiple of the activation block (32 for the int8 formats, 64 for fp8 on AVX3_DL, 2 for
+  // bf16); otherwise, or when false, the passes are separated by joins.
+  bool overlap_passes = true;
   // Print the reuse factor (routes / unique experts) and the chosen target to stderr per call.
   bool debug = false;
   // Highway target name ("AVX3_DL", "AVX3", "AVX2", "SSE4", ...) to cap dispatch at; empty: the
@@ -120,7 +127,8 @@ struct Options {
   int pass2_rows = kAuto;
 
   // Options with the environment's switches applied, read now (never cached):
-  //   MOE_CPU_DEDUP=0 turns dedup off, MOE_CPU_DEBUG=1 turns debug on,
+  //   MOE_CPU_DEDUP=0 turns dedup off, MOE_CPU_OVERLAP=0 turns overlap_passes off,
+  //   MOE_CPU_DEBUG=1 turns debug on,
   //   MOE_CPU_MAX_TARGET=<name> caps the target,
   //   MOE_CPU_ONEDNN_MIN_TOKENS=<n> sets onednn_min_tokens_per_expert (0: oneDNN off),
   //   MOE_CPU_PREFETCH_BYTES=<n>, MOE_CPU_PASS1_ROWS=<n>, MOE_CPU_PASS2_ROWS=<n> set
@@ -138,6 +146,9 @@ struct ForwardStats {
   int onednn_experts = 0;  // experts computed through oneDNN (their routes are in `routes`)
   // Wall time of the GEMV path's phases (for profiling; zero when no route took that path):
   // preparing x, pass 1 (gate_up), preparing h, pass 2 (down). The oneDNN part is not included.
+  // With overlap_passes, pass 1 runs until its last item is done and includes preparing h
+  // (prep_h_seconds is 0), and pass 2 is the rest of the call (its first items ran beside the
+  // end of pass 1).
   double prep_x_seconds = 0.0;
   double pass1_seconds = 0.0;
   double prep_h_seconds = 0.0;

@@ -1,5 +1,5 @@
-// Runtime tuning options (prefetch distance, rows per work item): every setting gives y bit for
-// bit equal to the defaults', and bad values are InvalidArgument.
+// Runtime tuning options (prefetch distance, rows per work item, overlapped passes): every
+// setting gives y bit for bit equal to the defaults', and bad values are InvalidArgument.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -61,25 +61,31 @@ std::vector<float> RunForward(const HostBank& hb, int T, const Case& c, const Op
   return y;
 }
 
-// Every format that matters for the sweep (bf16, q4_0) x every compiled+supported target x
-// T in {1, 16} x dedup on/off: each tuning setting gives the defaults' y bit for bit. oneDNN is
-// off (its runs differ run to run; it does not use these options).
+// bf16, fp8_block and q4_0 (one per activation layout) x every compiled+supported target x
+// T in {1, 16} x dedup on/off: each tuning setting, with the passes overlapped and not, gives the
+// defaults' y bit for bit. The settings include pass-1 row counts that do and do not allow the
+// overlap (multiples of the activation block or not; kH and kI leave a 32-column fp8 tail).
+// oneDNN is off (its runs differ run to run; it does not use these options).
 TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
   common::ThreadPool pool(2);
   struct Setting {
     int prefetch, pass1, pass2;
+    bool overlap;
   };
   std::vector<Setting> settings;
-  for (int pf : {0, 256, 4096}) {
-    for (int p1 : {16, 64}) {
-      for (int p2 : {16, 64}) settings.push_back({pf, p1, p2});
+  for (bool overlap : {true, false}) {
+    for (int pf : {0, 256, 4096}) {
+      for (int p1 : {16, 64}) {
+        for (int p2 : {16, 64}) settings.push_back({pf, p1, p2, overlap});
+      }
     }
+    // Extremes: 1-row pass-1 items, one row pair per pass-2 item; the largest values.
+    settings.push_back({64, 1, 2, overlap});
+    settings.push_back({Options::kMaxPrefetchBytes, 3, Options::kMaxRowsPerItem, overlap});
+    settings.push_back({1024, Options::kMaxRowsPerItem, 6, overlap});
+    settings.push_back({1024, 32, 128, overlap});
   }
-  // Extremes: 1-row pass-1 items, one row pair per pass-2 item; the largest values.
-  settings.push_back({64, 1, 2});
-  settings.push_back({Options::kMaxPrefetchBytes, 3, Options::kMaxRowsPerItem});
-  settings.push_back({1024, Options::kMaxRowsPerItem, 6});
-  for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kQ4_0}) {
+  for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kQ4_0}) {
     const HostBank hb = MakeRandomBank(f, kE, kH, kI, 41 + static_cast<int>(f), false);
     for (const std::string& target : AvailableTargets()) {
       for (int T : {1, 16}) {
@@ -95,12 +101,13 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
             o.prefetch_bytes = s.prefetch;
             o.pass1_rows = s.pass1;
             o.pass2_rows = s.pass2;
+            o.overlap_passes = s.overlap;
             const std::vector<float> y = RunForward(hb, T, c, o, pool);
             // memcmp: bit for bit (NaN-safe, -0 vs +0 distinguished).
             EXPECT_EQ(std::memcmp(y.data(), y0.data(), y.size() * sizeof(float)), 0)
                 << common::WeightFormatName(f) << " " << target << " T=" << T
                 << " dedup=" << dedup << " prefetch=" << s.prefetch << " pass1=" << s.pass1
-                << " pass2=" << s.pass2;
+                << " pass2=" << s.pass2 << " overlap=" << s.overlap;
           }
         }
       }
@@ -146,6 +153,11 @@ TEST(CpuMoeTuningTest, EnvReadWhenOptionsAreBuilt) {
   EXPECT_EQ(d.prefetch_bytes, Options::kAuto);
   EXPECT_EQ(d.pass1_rows, Options::kAuto);
   EXPECT_EQ(d.pass2_rows, Options::kAuto);
+  EXPECT_TRUE(d.overlap_passes);
+  setenv("MOE_CPU_OVERLAP", "0", 1);
+  EXPECT_FALSE(Options::FromEnv().overlap_passes);
+  unsetenv("MOE_CPU_OVERLAP");
+  EXPECT_TRUE(Options::FromEnv().overlap_passes);
   setenv("MOE_CPU_PREFETCH_BYTES", "2048", 1);
   setenv("MOE_CPU_PASS1_ROWS", "32", 1);
   setenv("MOE_CPU_PASS2_ROWS", "64", 1);
