@@ -962,6 +962,7 @@ void ForwardFormat(ForwardPlan& plan) {
   const size_t pass1_rows = static_cast<size_t>(opt.pass1_rows);
   const size_t pass2_rows = static_cast<size_t>(opt.pass2_rows);
   const size_t prefetch = static_cast<size_t>(opt.prefetch_bytes);
+  const int streams = opt.row_streams;
 
   const MatrixRef gate_up{bank.gate_up_weights, bank.gate_up_scales, bank.gate_up_global_scales,
                           2 * I, H, prefetch};
@@ -1022,10 +1023,14 @@ void ForwardFormat(ForwardPlan& plan) {
     size_t route_of[64];
     float* hrow[64];  // h and u rows of the chunk's routes
     float* urow[64];
-    float gs[64], us[64];
-    float* const out[2] = {gs, us};
+    float gs[64], us[64], gs2[64], us2[64];
+    float* const out[4] = {gs, us, gs2, us2};
     PrefetchRow(gate_up, g.expert, r0, row_bytes1);
     PrefetchRow(gate_up, g.expert, I + r0, row_bytes1);
+    if (streams == 4) {
+      PrefetchRow(gate_up, g.expert, r0 + (r1 - r0) / 2, row_bytes1);
+      PrefetchRow(gate_up, g.expert, I + r0 + (r1 - r0) / 2, row_bytes1);
+    }
     for (int c0 = 0; c0 < n; c0 += 64) {
       const int nc = std::min(64, n - c0);
       for (int i = 0; i < nc; ++i) {
@@ -1035,7 +1040,20 @@ void ForwardFormat(ForwardPlan& plan) {
         hrow[i] = h.data() + route * I;
         urow[i] = u.data() + route * I;
       }
-      for (size_t r = r0; r < r1; ++r) {
+      // With four streams, gate and up rows of r and of r + half go together (rows [r0, r1)
+      // split in two halves; an odd last row goes alone with its up row).
+      const size_t half = streams == 4 ? (r1 - r0) / 2 : 0;
+      for (size_t r = r0; r < r0 + half; ++r) {
+        const size_t rows[4] = {r, I + r, r + half, I + r + half};
+        DotRowsMany<F, 4>(gate_up, g.expert, rows, acts, nc, out);
+        for (int i = 0; i < nc; ++i) {
+          hrow[i][r] = gs[i];
+          urow[i][r] = us[i];
+          hrow[i][r + half] = gs2[i];
+          urow[i][r + half] = us2[i];
+        }
+      }
+      for (size_t r = r0 + 2 * half; r < r1; ++r) {
         // The gate and up rows of r together: one pass over the activations for both.
         const size_t rows[2] = {r, I + r};
         if constexpr (kFuseRows<F>) {
@@ -1072,15 +1090,20 @@ void ForwardFormat(ForwardPlan& plan) {
   auto pass2_item = [&](size_t item) {
     const internal::ExpertGroup& g = plan.groups[item / nhb];
     const size_t h0 = (item % nhb) * pass2_rows, h1 = std::min(H, h0 + pass2_rows);
-    const size_t half = (h1 - h0) / 2;
-    PrefetchRow(down, g.expert, h0, row_bytes2);
-    PrefetchRow(down, g.expert, h0 + half, row_bytes2);
+    // Rows dotted together: p, p + q, p + 2q, p + 3q (four streams) for p < q = nb / 4, then
+    // pairs p, p + h (h = what is left / 2) of the rest; with two streams only the pairs.
+    const size_t q = streams == 4 ? (h1 - h0) / 4 : 0;
+    const size_t p0 = h0 + 4 * q;
+    const size_t half = (h1 - p0) / 2;
+    for (size_t j = 0; j < (q > 0 ? 4 : 0); ++j) PrefetchRow(down, g.expert, h0 + j * q, row_bytes2);
+    PrefetchRow(down, g.expert, p0, row_bytes2);
+    PrefetchRow(down, g.expert, p0 + half, row_bytes2);
     const int n = g.end - g.begin;
     ActView acts[64];
     float* dst[64];
     float wt[64];
-    float dots[2][64];
-    float* const out[2] = {dots[0], dots[1]};
+    float dots[4][64];
+    float* const out[4] = {dots[0], dots[1], dots[2], dots[3]};
     for (int c0 = 0; c0 < n; c0 += 64) {
       const int nc = std::min(64, n - c0);
       for (int i = 0; i < nc; ++i) {
@@ -1089,8 +1112,15 @@ void ForwardFormat(ForwardPlan& plan) {
         dst[i] = part.data() + route * H;
         wt[i] = plan.route_weight[route];
       }
+      for (size_t p = 0; p < q; ++p) {
+        const size_t rows[4] = {h0 + p, h0 + q + p, h0 + 2 * q + p, h0 + 3 * q + p};
+        DotRowsMany<F, 4>(down, g.expert, rows, acts, nc, out);
+        for (int i = 0; i < nc; ++i) {
+          for (int j = 0; j < 4; ++j) dst[i][rows[j]] = wt[i] * dots[j][i];
+        }
+      }
       for (size_t p = 0; p < half; ++p) {
-        const size_t rows[2] = {h0 + p, h0 + half + p};
+        const size_t rows[2] = {p0 + p, p0 + half + p};
         DotRowsMany<F, 2>(down, g.expert, rows, acts, nc, out);
         for (int i = 0; i < nc; ++i) {
           dst[i][rows[0]] = wt[i] * dots[0][i];

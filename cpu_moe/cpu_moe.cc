@@ -271,6 +271,7 @@ Options ResolveTuning(const Options& options, WeightFormat format) {
   // Pass 2 blocks of 128 rows of one expert (+4-9% at T=64 on the host over 64-row blocks of the
   // old split; 128 and 256 rows measured alike).
   if (o.pass2_rows == Options::kAuto) o.pass2_rows = 128;
+  if (o.row_streams == Options::kAuto) o.row_streams = 2;
   return o;
 }
 
@@ -290,6 +291,10 @@ absl::Status ValidateTuning(const Options& o) {
     return absl::InvalidArgumentError(absl::StrCat("pass2_rows (MOE_CPU_PASS2_ROWS) = ",
                                                    o.pass2_rows, " must be even in [2, ",
                                                    Options::kMaxRowsPerItem, "]"));
+  }
+  if (o.row_streams != 2 && o.row_streams != 4) {
+    return absl::InvalidArgumentError(absl::StrCat("row_streams (MOE_CPU_ROW_STREAMS) = ",
+                                                   o.row_streams, " must be 2 or 4"));
   }
   return absl::OkStatus();
 }
@@ -315,6 +320,7 @@ Options Options::FromEnv() {
   EnvInt("MOE_CPU_PREFETCH_BYTES", &o.prefetch_bytes);
   EnvInt("MOE_CPU_PASS1_ROWS", &o.pass1_rows);
   EnvInt("MOE_CPU_PASS2_ROWS", &o.pass2_rows);
+  EnvInt("MOE_CPU_ROW_STREAMS", &o.row_streams);
   return o;
 }
 

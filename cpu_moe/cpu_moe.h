@@ -125,15 +125,20 @@ struct Options {
   static constexpr int kMaxRowsPerItem = 256;
   int pass1_rows = kAuto;
   int pass2_rows = kAuto;
+  // Weight rows each core reads at once (2 or 4): in pass 1 a gate row with its up row, or two
+  // such pairs (rows r and r + n/2 of an item's n); in pass 2 row pairs p, p + n/2 of a block,
+  // or quadruples p, p + n/4, p + n/2, p + 3n/4. More concurrent streams keep more bytes in
+  // flight per core; each row keeps its own accumulators, so y is the same either way.
+  int row_streams = kAuto;
 
   // Options with the environment's switches applied, read now (never cached):
   //   MOE_CPU_DEDUP=0 turns dedup off, MOE_CPU_OVERLAP=0 turns overlap_passes off,
   //   MOE_CPU_DEBUG=1 turns debug on,
   //   MOE_CPU_MAX_TARGET=<name> caps the target,
   //   MOE_CPU_ONEDNN_MIN_TOKENS=<n> sets onednn_min_tokens_per_expert (0: oneDNN off),
-  //   MOE_CPU_PREFETCH_BYTES=<n>, MOE_CPU_PASS1_ROWS=<n>, MOE_CPU_PASS2_ROWS=<n> set
-  //   prefetch_bytes, pass1_rows, pass2_rows (-1: kAuto; a value that is not an integer is
-  //   kept as INT_MIN, which Forward rejects).
+  //   MOE_CPU_PREFETCH_BYTES=<n>, MOE_CPU_PASS1_ROWS=<n>, MOE_CPU_PASS2_ROWS=<n>,
+  //   MOE_CPU_ROW_STREAMS=<n> set prefetch_bytes, pass1_rows, pass2_rows, row_streams (-1:
+  //   kAuto; a value that is not an integer is kept as INT_MIN, which Forward rejects).
   static Options FromEnv();
 };
 

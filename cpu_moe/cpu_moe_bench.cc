@@ -566,7 +566,9 @@ int main(int argc, char** argv) {
                                 absl::StrCat("hugepages=", moe::cpu_moe::g_hugepages,
                                              " prefetch_bytes=", o.prefetch_bytes,
                                              " pass1_rows=", o.pass1_rows,
-                                             " pass2_rows=", o.pass2_rows));
+                                             " pass2_rows=", o.pass2_rows,
+                                             " row_streams=", o.row_streams,
+                                             " overlap_passes=", o.overlap_passes ? 1 : 0));
   }
   moe::cpu_moe::RegisterAll();
   benchmark::Initialize(&argc, argv);

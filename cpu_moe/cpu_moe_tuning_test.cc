@@ -71,19 +71,25 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
   struct Setting {
     int prefetch, pass1, pass2;
     bool overlap;
+    int streams;
   };
   std::vector<Setting> settings;
   for (bool overlap : {true, false}) {
-    for (int pf : {0, 256, 4096}) {
-      for (int p1 : {16, 64}) {
-        for (int p2 : {16, 64}) settings.push_back({pf, p1, p2, overlap});
+    for (int streams : {2, 4}) {
+      for (int pf : {0, 256, 4096}) {
+        for (int p1 : {16, 64}) {
+          for (int p2 : {16, 64}) settings.push_back({pf, p1, p2, overlap, streams});
+        }
       }
+      // Extremes: 1-row pass-1 items, one row pair per pass-2 item; the largest values; odd
+      // pass-1 blocks and pass-2 blocks that four streams do not divide.
+      settings.push_back({64, 1, 2, overlap, streams});
+      settings.push_back({Options::kMaxPrefetchBytes, 3, Options::kMaxRowsPerItem, overlap,
+                          streams});
+      settings.push_back({1024, Options::kMaxRowsPerItem, 6, overlap, streams});
+      settings.push_back({1024, 32, 128, overlap, streams});
+      settings.push_back({512, 7, 10, overlap, streams});
     }
-    // Extremes: 1-row pass-1 items, one row pair per pass-2 item; the largest values.
-    settings.push_back({64, 1, 2, overlap});
-    settings.push_back({Options::kMaxPrefetchBytes, 3, Options::kMaxRowsPerItem, overlap});
-    settings.push_back({1024, Options::kMaxRowsPerItem, 6, overlap});
-    settings.push_back({1024, 32, 128, overlap});
   }
   for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kQ4_0}) {
     const HostBank hb = MakeRandomBank(f, kE, kH, kI, 41 + static_cast<int>(f), false);
@@ -102,12 +108,13 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
             o.pass1_rows = s.pass1;
             o.pass2_rows = s.pass2;
             o.overlap_passes = s.overlap;
+            o.row_streams = s.streams;
             const std::vector<float> y = RunForward(hb, T, c, o, pool);
             // memcmp: bit for bit (NaN-safe, -0 vs +0 distinguished).
             EXPECT_EQ(std::memcmp(y.data(), y0.data(), y.size() * sizeof(float)), 0)
                 << common::WeightFormatName(f) << " " << target << " T=" << T
                 << " dedup=" << dedup << " prefetch=" << s.prefetch << " pass1=" << s.pass1
-                << " pass2=" << s.pass2 << " overlap=" << s.overlap;
+                << " pass2=" << s.pass2 << " overlap=" << s.overlap << " streams=" << s.streams;
           }
         }
       }
@@ -145,6 +152,13 @@ TEST(CpuMoeTuningTest, BadValuesAreInvalidArgument) {
     o.pass2_rows = b.pass2;
     EXPECT_TRUE(Forward(hb.bank, 1, 2, ids, w, x, absl::MakeSpan(y), o, pool).ok());
   }
+  for (int streams : {0, 1, 3, 8, std::numeric_limits<int>::min()}) {
+    Options o;
+    o.row_streams = streams;
+    const absl::Status st = Forward(hb.bank, 1, 2, ids, w, x, absl::MakeSpan(y), o, pool);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << streams;
+    EXPECT_NE(std::string(st.message()).find("row_streams"), std::string::npos) << st;
+  }
 }
 
 // Read at FromEnv() time, every time; garbage becomes an error in Forward, not the default.
@@ -161,7 +175,11 @@ TEST(CpuMoeTuningTest, EnvReadWhenOptionsAreBuilt) {
   setenv("MOE_CPU_PREFETCH_BYTES", "2048", 1);
   setenv("MOE_CPU_PASS1_ROWS", "32", 1);
   setenv("MOE_CPU_PASS2_ROWS", "64", 1);
+  setenv("MOE_CPU_ROW_STREAMS", "4", 1);
   const Options a = Options::FromEnv();
+  EXPECT_EQ(a.row_streams, 4);
+  unsetenv("MOE_CPU_ROW_STREAMS");
+  EXPECT_EQ(Options::FromEnv().row_streams, Options::kAuto);
   EXPECT_EQ(a.prefetch_bytes, 2048);
   EXPECT_EQ(a.pass1_rows, 32);
   EXPECT_EQ(a.pass2_rows, 64);
