@@ -106,6 +106,18 @@ constexpr int QuantOffset() {
   return F == common::WeightFormat::kQ4_0 ? 8 : 12;
 }
 
+// Packed bytes at the start of a quantized row (nbytes = k / 2 in all) that the 512-bit targets
+// dot in the block-lane layout (QuantDotBlockLane): whole 128-byte chunks; 0 elsewhere. The
+// rest of the row keeps the plain layout.
+constexpr size_t kBlockLaneChunk = 128;
+#if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3
+HWY_INLINE constexpr size_t BlockLaneBytes(size_t nbytes) {
+  return nbytes / kBlockLaneChunk * kBlockLaneChunk;
+}
+#else
+HWY_INLINE constexpr size_t BlockLaneBytes(size_t) { return 0; }
+#endif
+
 // Storage for n activation vectors of length k in format F's layout.
 template <common::WeightFormat F>
 class ActSet {
@@ -163,21 +175,49 @@ class ActSet {
           const auto qi = hn::NearestInt(v);
           hn::StoreU(hn::DemoteTo(hn::Rebind<int8_t, decltype(df)>(), qi), hn::Rebind<int8_t, decltype(df)>(), q + j);
         }
+        // The block's 16 packed bytes' activation codes in packed-byte order (see ActView).
+        int8_t bl[16], bh[16];
         for (int p = 0; p < 16; ++p) {
           if constexpr (F == common::WeightFormat::kQ4_0) {
-            lo[16 * b + p] = q[p];
-            hi[16 * b + p] = q[16 + p];
+            bl[p] = q[p];
+            bh[p] = q[16 + p];
           } else {
-            lo[16 * b + p] = q[2 * p];
-            hi[16 * b + p] = q[2 * p + 1];
+            bl[p] = q[2 * p];
+            bh[p] = q[2 * p + 1];
           }
         }
-        for (int l = 0; l < 4; ++l) {
-          const size_t j = 4 * b + l;
-          int32_t s = 0;
-          for (int m = 0; m < 4; ++m) s += lo[4 * j + m] + hi[4 * j + m];
-          xs[j] = d;
-          neg[j] = -QuantOffset<F>() * s;
+        if (16 * (b + 1) <= BlockLaneBytes(k_ / 2)) {
+          // Block-lane layout (QuantDotBlockLane): packed byte v = 128c + 8j + 4s + m of a
+          // 128-byte chunk c goes to 128c + 64s + 4j + m, and lane j's scale and correction to
+          // index 16c + j; this block holds bytes [16t, 16t + 16) of chunk c = b / 8, t = b % 8,
+          // i.e. lanes j = 2t + h.
+          const size_t c = b / 8, t = b % 8;
+          for (int h = 0; h < 2; ++h) {
+            int32_t sum = 0;
+            for (int s2 = 0; s2 < 2; ++s2) {
+              for (int m = 0; m < 4; ++m) {
+                const int v = 8 * h + 4 * s2 + m;
+                const size_t pos = 128 * c + 64 * s2 + 8 * t + 4 * h + m;
+                lo[pos] = bl[v];
+                hi[pos] = bh[v];
+                sum += bl[v] + bh[v];
+              }
+            }
+            xs[16 * c + 2 * t + h] = d;
+            neg[16 * c + 2 * t + h] = -QuantOffset<F>() * sum;
+          }
+        } else {
+          for (int p = 0; p < 16; ++p) {
+            lo[16 * b + p] = bl[p];
+            hi[16 * b + p] = bh[p];
+          }
+          for (int l = 0; l < 4; ++l) {
+            const size_t j = 4 * b + l;
+            int32_t sum = 0;
+            for (int m = 0; m < 4; ++m) sum += lo[4 * j + m] + hi[4 * j + m];
+            xs[j] = d;
+            neg[j] = -QuantOffset<F>() * sum;
+          }
         }
       }
     } else if constexpr (F == common::WeightFormat::kBf16) {
@@ -441,6 +481,49 @@ struct ScaleIdx {
   }
 };
 alignas(64) static constexpr ScaleIdx kScaleIdx{};
+
+// ue8m0 exponents (one per u32 lane, in its low byte) -> f32 2^(e - 127); 0 -> 2^-127 (an f32
+// subnormal), 0xFF -> NaN.
+HWY_INLINE __m512 Ue8m0Lanes(__m512i e) {
+  __m512i bits = _mm512_slli_epi32(e, 23);
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
+                               _mm512_set1_epi32(0x00400000));
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(0xFF)),
+                               _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(bits);
+}
+
+// e4m3 codes (one per u32 lane, in its low byte) -> f32: exponent and mantissa moved to the f32
+// fields give value * 2^-120 (e4m3 subnormals land on f32 subnormals, exactly); 0x7F / 0xFF
+// are NaN.
+HWY_INLINE __m512 E4m3Lanes(__m512i s) {
+  const __m512i mag = _mm512_and_si512(s, _mm512_set1_epi32(0x7F));
+  const __m512i bits = _mm512_or_si512(
+      _mm512_slli_epi32(mag, 20),
+      _mm512_slli_epi32(_mm512_and_si512(s, _mm512_set1_epi32(0x80)), 24));
+  __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+  return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)),
+                            _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+
+// Index tables of the block-lane chunks (see QuantDotBlockLane).
+struct BlockLaneIdx {
+  // u32 lane j of B_s is lane 2(j % 8) + s of the chunk's first (j < 8) or second 64 bytes.
+  alignas(64) uint32_t split[2][16];
+  // q4_0: fp16 d of blocks 0..7 (words 0, 9, 18, 27 of each 72-byte half), each to two lanes.
+  alignas(64) uint16_t q4d[32];
+  // mxfp4: scale byte j / 2 (of 8, broadcast to every 128-bit lane) to the low byte of u32 j.
+  alignas(64) uint8_t mx[64];
+  constexpr BlockLaneIdx() : split(), q4d(), mx() {
+    for (int j = 0; j < 16; ++j) {
+      for (int s = 0; s < 2; ++s) split[s][j] = static_cast<uint32_t>(16 * (j / 8) + 2 * (j % 8) + s);
+      const int t = j / 2;
+      q4d[j] = static_cast<uint16_t>(t < 4 ? 9 * t : 32 + 9 * (t - 4));
+      for (int c = 0; c < 4; ++c) mx[4 * j + c] = c == 0 ? static_cast<uint8_t>(t) : 0x80;
+    }
+  }
+};
+alignas(64) static constexpr BlockLaneIdx kBlockLaneIdx{};
 #endif
 
 // Packed bytes [b, b + Lanes(d8)) of a quantized row and their per-lane scales (lane j of the
@@ -466,31 +549,16 @@ HWY_INLINE void QuantChunk(D8 d8, DF df, const QuantRow& q, size_t b, hn::Vec<D8
     } else if constexpr (F == common::WeightFormat::kMxfp4) {
       uint32_t s4;
       std::memcpy(&s4, q.scales + b / 16, 4);
-      const __m512i e = _mm512_shuffle_epi8(
+      ws = hn::Vec<DF>{Ue8m0Lanes(_mm512_shuffle_epi8(
           _mm512_set1_epi32(static_cast<int>(s4)),
-          _mm512_load_si512(reinterpret_cast<const void*>(kScaleIdx.mx)));
-      __m512i bits = _mm512_slli_epi32(e, 23);
-      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
-                                   _mm512_set1_epi32(0x00400000));
-      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(0xFF)),
-                                   _mm512_set1_epi32(0x7FC00000));
-      ws = hn::Vec<DF>{_mm512_castsi512_ps(bits)};
+          _mm512_load_si512(reinterpret_cast<const void*>(kScaleIdx.mx))))};
       raw = hn::LoadU(d8, q.packed + b);
     } else {
       uint64_t s8;
       std::memcpy(&s8, q.scales + b / 8, 8);
-      const __m512i s = _mm512_shuffle_epi8(
+      ws = hn::Vec<DF>{E4m3Lanes(_mm512_shuffle_epi8(
           _mm512_set1_epi64(static_cast<long long>(s8)),
-          _mm512_load_si512(reinterpret_cast<const void*>(kScaleIdx.nv)));
-      // e4m3 -> f32: exponent and mantissa moved to the f32 fields give value * 2^-120 (e4m3
-      // subnormals land on f32 subnormals, exactly); 0x7F / 0xFF are NaN.
-      const __m512i mag = _mm512_and_si512(s, _mm512_set1_epi32(0x7F));
-      const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(mag, 20),
-                                           _mm512_slli_epi32(_mm512_and_si512(s, _mm512_set1_epi32(0x80)), 24));
-      __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
-      v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)),
-                             _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-      ws = hn::Vec<DF>{v};
+          _mm512_load_si512(reinterpret_cast<const void*>(kScaleIdx.nv))))};
       raw = hn::LoadU(d8, q.packed + b);
     }
     return;
@@ -581,6 +649,125 @@ HWY_INLINE void QuantDotAll(D8 d8, const QuantRow* q, const ActView* acts, size_
     if (b < nbytes) QuantDotAll<F, NR, NT>(hn::Half<D8>(), q, acts, b, nbytes, pf, sums);
   }
 }
+
+#if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3
+// The block-lane layout of the 512-bit targets. In the plain layout each int32 lane of a 64-byte
+// chunk covers 8 weights, a quarter of a 32-weight block, so every route converts, scales and
+// adds each lane sum: per 128 weights and route, two dot products plus a conversion, a multiply
+// and an FMA. Here a 128-byte chunk is dotted as two vectors B_0, B_1 whose u32 lane j covers
+// packed bytes [8j, 8j + 4) and [8j + 4, 8j + 8): one lane stays within one block (mxfp4 and
+// q4_0 blocks span two lanes, nvfp4 blocks one) across both vectors, so the four dot products
+// of the chunk go into one int32 sum per lane before the one conversion, multiply and FMA:
+// 7 instead of 10 vector operations per 256 weights and route. The split costs each row two
+// vpermt2d (lanes 2j + s of the plain halves), shared by all routes. The activations are laid
+// out to match (ActSet::PrepareRange).
+template <common::WeightFormat F>
+HWY_INLINE void BlockLaneChunk(const QuantRow& q, size_t b, __m512i& b0, __m512i& b1,
+                               __m512& ws) {
+  __m512i a0, a1;
+  if constexpr (F == common::WeightFormat::kQ4_0) {
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(q.blocks + b / 16);
+    const __m512i c0 = _mm512_loadu_si512(p);
+    const __m512i c1 = _mm512_loadu_si512(p + 4 * sizeof(BlockQ4_0));
+    ws = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi16(
+        c0, _mm512_load_si512(reinterpret_cast<const void*>(kBlockLaneIdx.q4d)), c1)));
+#if HWY_TARGET == HWY_AVX3_DL
+    const __m512i iq = _mm512_load_si512(reinterpret_cast<const void*>(kQ4IdxQ.v));
+    a0 = _mm512_permutex2var_epi8(c0, iq, _mm512_loadu_si512(p + 8));
+    a1 = _mm512_permutex2var_epi8(c1, iq, _mm512_loadu_si512(p + 4 * sizeof(BlockQ4_0) + 8));
+#else
+    const hn::ScalableTag<uint8_t> d8;
+    a0 = LoadPacked<F>(d8, nullptr, q.blocks, b).raw;
+    a1 = LoadPacked<F>(d8, nullptr, q.blocks, b + 64).raw;
+#endif
+  } else {
+    a0 = _mm512_loadu_si512(q.packed + b);
+    a1 = _mm512_loadu_si512(q.packed + b + 64);
+    if constexpr (F == common::WeightFormat::kMxfp4) {
+      uint64_t s8;
+      std::memcpy(&s8, q.scales + b / 16, 8);
+      ws = Ue8m0Lanes(_mm512_shuffle_epi8(
+          _mm512_set1_epi64(static_cast<long long>(s8)),
+          _mm512_load_si512(reinterpret_cast<const void*>(kBlockLaneIdx.mx))));
+    } else {
+      ws = E4m3Lanes(_mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q.scales + b / 8))));
+    }
+  }
+  b0 = _mm512_permutex2var_epi32(
+      a0, _mm512_load_si512(reinterpret_cast<const void*>(kBlockLaneIdx.split[0])), a1);
+  b1 = _mm512_permutex2var_epi32(
+      a0, _mm512_load_si512(reinterpret_cast<const void*>(kBlockLaneIdx.split[1])), a1);
+}
+
+// NR quantized rows x NT activations over the block-lane part of the rows (BlockLaneBytes);
+// returns its end, where the plain kernels take over. Adds into sums like QuantDotLevel.
+template <common::WeightFormat F, int NR, int NT>
+HWY_INLINE size_t QuantDotBlockLane(const QuantRow* q, const ActView* acts, size_t nbytes,
+                                    size_t pf, float (*HWY_RESTRICT sums)[kTile]) {
+  const size_t nb = BlockLaneBytes(nbytes);
+  if (nb == 0) return 0;
+  const hn::ScalableTag<uint8_t> d8;
+  const hn::Repartition<int8_t, decltype(d8)> di8;
+  const hn::Repartition<int32_t, decltype(d8)> di32;
+  const hn::Repartition<float, decltype(d8)> df;
+  static_assert(hn::MaxLanes(d8) == 64, "512-bit targets only");
+  // Offsets of hi, xs and neg from lo in an activation vector; the block-lane part keeps one
+  // scale and one correction per lane, at half the plain part's stride.
+  const size_t kh = nbytes, kxs = 2 * nbytes, kneg = 3 * nbytes;
+  const auto mask = hn::Set(d8, 0x0F);
+  const auto lut = hn::LoadDup128(d8, kFp4Lut);
+  hn::Vec<decltype(df)> acc[NR][NT];
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int t = 0; t < NT; ++t) acc[rr][t] = hn::Zero(df);
+  }
+  for (size_t b = 0; b < nb; b += kBlockLaneChunk) {
+    hn::Vec<decltype(d8)> w[NR][4];  // lo(B_0), hi(B_0), lo(B_1), hi(B_1)
+    hn::Vec<decltype(df)> ws[NR];
+    for (int rr = 0; rr < NR; ++rr) {
+      if (pf != 0) {
+        Pf(PackedAddr<F>(q[rr], b) + pf);
+        Pf(PackedAddr<F>(q[rr], b + 64) + pf);
+        if constexpr (F != common::WeightFormat::kQ4_0) {
+          Pf(q[rr].scales + (b + pf) / (F == common::WeightFormat::kNvfp4 ? 8 : 16));
+        }
+      }
+      __m512i r0, r1;
+      __m512 wsr;
+      BlockLaneChunk<F>(q[rr], b, r0, r1, wsr);
+      ws[rr] = hn::Vec<decltype(df)>{wsr};
+      const hn::Vec<decltype(d8)> raw[2] = {hn::Vec<decltype(d8)>{r0}, hn::Vec<decltype(d8)>{r1}};
+      for (int h = 0; h < 2; ++h) {
+        w[rr][2 * h] = hn::And(raw[h], mask);
+        w[rr][2 * h + 1] = hn::And(hn::ShiftRight<4>(raw[h]), mask);
+        if constexpr (F != common::WeightFormat::kQ4_0) {
+          w[rr][2 * h] = hn::TableLookupBytes(lut, w[rr][2 * h]);
+          w[rr][2 * h + 1] = hn::TableLookupBytes(lut, w[rr][2 * h + 1]);
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* a = acts[t].q + b;
+      const auto xl0 = hn::LoadU(di8, a);
+      const auto xh0 = hn::LoadU(di8, a + kh);
+      const auto xl1 = hn::LoadU(di8, a + 64);
+      const auto xh1 = hn::LoadU(di8, a + kh + 64);
+      const int8_t* lane = acts[t].q + b / 2;
+      const auto xs = hn::LoadU(df, reinterpret_cast<const float*>(lane + kxs));
+      const auto neg = hn::LoadU(di32, reinterpret_cast<const int32_t*>(lane + kneg));
+      for (int rr = 0; rr < NR; ++rr) {
+        auto sum = DotAcc(di32, neg, w[rr][0], xl0);
+        sum = DotAcc(di32, sum, w[rr][1], xh0);
+        sum = DotAcc(di32, sum, w[rr][2], xl1);
+        sum = DotAcc(di32, sum, w[rr][3], xh1);
+        acc[rr][t] = hn::MulAdd(hn::ConvertTo(df, sum), hn::Mul(ws[rr], xs), acc[rr][t]);
+      }
+    }
+  }
+  AddLaneSums(df, &acc[0][0], NR, NT, sums);
+  return nb;
+}
+#endif
 
 template <int NR, int NT, class DF>
 HWY_INLINE size_t Bf16DotLevel(DF df, const uint16_t* const* w, const ActView* acts, size_t i,
@@ -829,7 +1016,11 @@ HWY_INLINE void DotRowsN(const MatrixRef& m, size_t e, const size_t* r, const Ac
   if constexpr (IsQuant<F>()) {
     QuantRow q[NR];
     for (int rr = 0; rr < NR; ++rr) q[rr] = MakeQuantRow<F>(m, e, r[rr]);
-    QuantDotAll<F, NR, NT>(hn::ScalableTag<uint8_t>(), q, acts, 0, k / 2, m.prefetch, sums);
+    size_t b = 0;
+#if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3
+    b = QuantDotBlockLane<F, NR, NT>(q, acts, k / 2, m.prefetch, sums);
+#endif
+    QuantDotAll<F, NR, NT>(hn::ScalableTag<uint8_t>(), q, acts, b, k / 2, m.prefetch, sums);
     for (int rr = 0; rr < NR; ++rr) {
       for (int t = 0; t < NT; ++t) sums[rr][t] *= q[rr].post;
     }

@@ -44,8 +44,11 @@ using testing::ReferenceForward;
 constexpr WeightFormat kFormats[] = {WeightFormat::kBf16, WeightFormat::kFp8Block,
                                      WeightFormat::kQ4_0, WeightFormat::kNvfp4,
                                      WeightFormat::kMxfp4};
-// H and I exercise every vector width's tail (128 + 64 + 32 elements) and partial fp8 blocks.
-constexpr int kE = 16, kH = 224, kI = 160, kTopK = 4;
+// H and I exercise every vector width's tail and partial fp8 blocks: quantized rows of H = 480
+// have 240 packed bytes, one 128-byte block-lane chunk (512-bit targets) and then 64 + 32 + 16
+// bytes of the plain layout; I = 288 has 144 (128 + 16); fp8 rows of both end in 32 columns
+// past a multiple of 64 and in a partial 128-column block.
+constexpr int kE = 16, kH = 480, kI = 288, kTopK = 4;
 
 std::vector<float> RandomX(int T, int H, std::mt19937_64& rng) {
   std::normal_distribution<float> n(0.0f, 1.0f);
@@ -143,16 +146,19 @@ TEST_F(CpuMoeTest, BrokenVariantsFail) {
     EXPECT_GT(WorstRatio(y, ref, scale, flip), 10.0) << common::WeightFormatName(f);
 
     // Wrong scale: double one block scale of the down matrix of expert ids[0] (first block of
-    // row 0, or its fp8 128x128 block; bf16 has no scale, so its first weight is doubled).
+    // row 0, or its fp8 128x128 block; bf16 has no scale, so the 32 weights that a block would
+    // cover, the first of row 0, are doubled).
     const int e = r.ids[0];
     switch (f) {
       case WeightFormat::kBf16: {
         uint16_t* w = reinterpret_cast<uint16_t*>(hb.down_w.data()) + size_t{1} * e * kH * kI;
-        w[0] = common::FloatToBf16(2.0f * common::Bf16ToFloat(w[0]) + 0.05f);
+        for (int i = 0; i < 32; ++i) w[i] = common::FloatToBf16(2.0f * common::Bf16ToFloat(w[i]));
         break;
       }
       case WeightFormat::kFp8Block: {
-        float* s = reinterpret_cast<float*>(hb.down_s.data()) + e * 2 * 2;
+        const int bs = common::kFp8BlockSize;
+        float* s = reinterpret_cast<float*>(hb.down_s.data()) +
+                   e * ((kH + bs - 1) / bs) * ((kI + bs - 1) / bs);
         s[0] *= 2.0f;
         break;
       }

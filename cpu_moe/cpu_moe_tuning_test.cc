@@ -23,7 +23,8 @@ using common::WeightFormat;
 using testing::HostBank;
 using testing::MakeRandomBank;
 
-constexpr int kE = 16, kH = 224, kI = 160, kTopK = 4;
+// As in cpu_moe_test: block-lane chunks and plain tails in quantized rows, fp8 tails.
+constexpr int kE = 16, kH = 480, kI = 288, kTopK = 4;
 
 struct Case {
   std::vector<int32_t> ids;
