@@ -107,22 +107,23 @@ constexpr int QuantOffset() {
 }
 
 // Packed bytes at the start of a quantized row (nbytes = k / 2 in all) that the 512-bit targets
-// dot in the block-lane layout (QuantDotBlockLane): whole 128-byte chunks; 0 elsewhere. The
-// rest of the row keeps the plain layout.
+// dot in the block-lane layout (QuantDotBlockLane) when Options::block_lane allows: whole
+// 128-byte chunks; 0 elsewhere. The rest of the row keeps the plain layout.
 constexpr size_t kBlockLaneChunk = 128;
 #if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3
-HWY_INLINE constexpr size_t BlockLaneBytes(size_t nbytes) {
-  return nbytes / kBlockLaneChunk * kBlockLaneChunk;
+HWY_INLINE constexpr size_t BlockLaneBytes(size_t nbytes, bool enabled) {
+  return enabled ? nbytes / kBlockLaneChunk * kBlockLaneChunk : 0;
 }
 #else
-HWY_INLINE constexpr size_t BlockLaneBytes(size_t) { return 0; }
+HWY_INLINE constexpr size_t BlockLaneBytes(size_t, bool) { return 0; }
 #endif
 
 // Storage for n activation vectors of length k in format F's layout.
 template <common::WeightFormat F>
 class ActSet {
  public:
-  ActSet(size_t n, size_t k) : k_(k), n_(n) {
+  // block_lane: lay quantized activations out for QuantDotBlockLane (MatrixRef::block_lane).
+  ActSet(size_t n, size_t k, bool block_lane) : k_(k), n_(n), block_lane_(block_lane) {
     if constexpr (IsQuant<F>()) {
       i8_ = std::make_unique<common::AlignedBuffer<int8_t>>(std::max<size_t>(1, n * 2 * k));
     } else {
@@ -186,7 +187,7 @@ class ActSet {
             bh[p] = q[2 * p + 1];
           }
         }
-        if (16 * (b + 1) <= BlockLaneBytes(k_ / 2)) {
+        if (16 * (b + 1) <= BlockLaneBytes(k_ / 2, block_lane_)) {
           // Block-lane layout (QuantDotBlockLane): packed byte v = 128c + 8j + 4s + m of a
           // 128-byte chunk c goes to 128c + 64s + 4j + m, and lane j's scale and correction to
           // index 16c + j; this block holds bytes [16t, 16t + 16) of chunk c = b / 8, t = b % 8,
@@ -261,6 +262,7 @@ class ActSet {
  private:
   size_t k_;
   size_t n_;
+  bool block_lane_;
   std::unique_ptr<common::AlignedBuffer<int8_t>> i8_;
   std::unique_ptr<common::AlignedBuffer<float>> f32_;
 };
@@ -318,6 +320,7 @@ struct MatrixRef {
   size_t rows;
   size_t cols;
   size_t prefetch;  // bytes ahead to prefetch in the row kernels (0: none); see above
+  bool block_lane;  // quantized rows start in the block-lane layout (BlockLaneBytes)
 };
 
 // sum_m u[m] * x[m] over groups of four bytes, added to the int32 lanes of acc. u is unsigned
@@ -705,7 +708,7 @@ HWY_INLINE void BlockLaneChunk(const QuantRow& q, size_t b, __m512i& b0, __m512i
 template <common::WeightFormat F, int NR, int NT>
 HWY_INLINE size_t QuantDotBlockLane(const QuantRow* q, const ActView* acts, size_t nbytes,
                                     size_t pf, float (*HWY_RESTRICT sums)[kTile]) {
-  const size_t nb = BlockLaneBytes(nbytes);
+  const size_t nb = BlockLaneBytes(nbytes, true);
   if (nb == 0) return 0;
   const hn::ScalableTag<uint8_t> d8;
   const hn::Repartition<int8_t, decltype(d8)> di8;
@@ -1018,7 +1021,7 @@ HWY_INLINE void DotRowsN(const MatrixRef& m, size_t e, const size_t* r, const Ac
     for (int rr = 0; rr < NR; ++rr) q[rr] = MakeQuantRow<F>(m, e, r[rr]);
     size_t b = 0;
 #if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3
-    b = QuantDotBlockLane<F, NR, NT>(q, acts, k / 2, m.prefetch, sums);
+    if (m.block_lane) b = QuantDotBlockLane<F, NR, NT>(q, acts, k / 2, m.prefetch, sums);
 #endif
     QuantDotAll<F, NR, NT>(hn::ScalableTag<uint8_t>(), q, acts, b, k / 2, m.prefetch, sums);
     for (int rr = 0; rr < NR; ++rr) {
@@ -1156,9 +1159,9 @@ void ForwardFormat(ForwardPlan& plan) {
   const int streams = opt.row_streams;
 
   const MatrixRef gate_up{bank.gate_up_weights, bank.gate_up_scales, bank.gate_up_global_scales,
-                          2 * I, H, prefetch};
+                          2 * I, H, prefetch, opt.block_lane};
   const MatrixRef down{bank.down_weights, bank.down_scales, bank.down_global_scales, H, I,
-                       prefetch};
+                       prefetch, opt.block_lane};
 
   using Clock = std::chrono::steady_clock;
   auto lap = [&plan, t = Clock::now()](int phase) mutable {
@@ -1175,7 +1178,7 @@ void ForwardFormat(ForwardPlan& plan) {
       active_tokens.push_back(static_cast<int>(t));
     }
   }
-  ActSet<F> xacts(active_tokens.size(), H);
+  ActSet<F> xacts(active_tokens.size(), H, opt.block_lane);
   {
     std::vector<std::vector<float>> tmp(workers);
     pool.ParallelFor(active_tokens.size(), [&](uint64_t i, int worker) {
@@ -1198,7 +1201,7 @@ void ForwardFormat(ForwardPlan& plan) {
   // Pass 1: h[route, I] = act(gate x, up x); the up dots go to u first.
   common::AlignedBuffer<float> h(std::max<size_t>(1, R * I));
   common::AlignedBuffer<float> u(std::max<size_t>(1, R * I));
-  ActSet<F> hacts(R, I);
+  ActSet<F> hacts(R, I, opt.block_lane);
   const size_t G = plan.groups.size();
   const size_t nrb = (I + pass1_rows - 1) / pass1_rows;
   const size_t row_bytes1 = RowBytes(F, H);

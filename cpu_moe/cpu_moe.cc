@@ -312,6 +312,7 @@ Options Options::FromEnv() {
   Options o;
   EnvFlag("MOE_CPU_DEDUP", &o.dedup);
   EnvFlag("MOE_CPU_OVERLAP", &o.overlap_passes);
+  EnvFlag("MOE_CPU_BLOCK_LANE", &o.block_lane);
   EnvFlag("MOE_CPU_DEBUG", &o.debug);
   if (const char* t = std::getenv("MOE_CPU_MAX_TARGET"); t != nullptr) o.max_target = t;
   if (const char* v = std::getenv("MOE_CPU_ONEDNN_MIN_TOKENS"); v != nullptr && *v != '\0') {

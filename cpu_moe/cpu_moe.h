@@ -84,6 +84,12 @@ struct Options {
   // multiple of the activation block (32 for the int8 formats, 64 for fp8 on AVX3_DL, 2 for
   // bf16); otherwise, or when false, the passes are separated by joins.
   bool overlap_passes = true;
+  // Quantized formats (q4_0, nvfp4, mxfp4) on the 512-bit targets (AVX3, AVX3_DL): dot each
+  // 128-byte chunk of a row in a block-lane order, in which every int32 lane stays within one
+  // weight block, so a route converts and scales once per 256 weights instead of once per 64.
+  // false: the plain layout (for comparison; results differ only by int32 -> fp32 rounding of
+  // partial sums, within the format's tolerance).
+  bool block_lane = true;
   // Print the reuse factor (routes / unique experts) and the chosen target to stderr per call.
   bool debug = false;
   // Highway target name ("AVX3_DL", "AVX3", "AVX2", "SSE4", ...) to cap dispatch at; empty: the
@@ -133,6 +139,7 @@ struct Options {
 
   // Options with the environment's switches applied, read now (never cached):
   //   MOE_CPU_DEDUP=0 turns dedup off, MOE_CPU_OVERLAP=0 turns overlap_passes off,
+  //   MOE_CPU_BLOCK_LANE=0 turns block_lane off,
   //   MOE_CPU_DEBUG=1 turns debug on,
   //   MOE_CPU_MAX_TARGET=<name> caps the target,
   //   MOE_CPU_ONEDNN_MIN_TOKENS=<n> sets onednn_min_tokens_per_expert (0: oneDNN off),

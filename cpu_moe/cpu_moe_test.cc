@@ -100,18 +100,20 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
         ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, base, true, &ref, &scale, &flip);
         ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, base, false, &plain, &s2, &f2);
         for (const std::string& target : AvailableTargets()) {
-          for (bool dedup : {false, true}) {
+          for (int variant = 0; variant < (IsQuant(f) ? 4 : 2); ++variant) {
+            const bool dedup = variant % 2 == 1, block_lane = variant < 2;
             Options o;
             o.dedup = dedup;
+            o.block_lane = block_lane;  // both layouts of the int8 formats
             o.max_target = target;
             o.onednn_min_tokens_per_expert = 0;  // the GEMV kernels (oneDNN: onednn_experts_test)
             std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
             ForwardStats st;
             ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o,
                                 pool_, &st).ok());
-            const std::string what =
-                absl::StrCat(std::string(common::WeightFormatName(f)), " T=", T, " skewed=", skewed,
-                             " target=", target, " dedup=", dedup);
+            const std::string what = absl::StrCat(
+                std::string(common::WeightFormatName(f)), " T=", T, " skewed=", skewed,
+                " target=", target, " dedup=", dedup, " block_lane=", block_lane);
             EXPECT_EQ(st.target, target) << what;
             EXPECT_LE(WorstRatio(y, ref, scale, flip), 1.0) << what;
             const double rel = RelFrobenius(y, plain);

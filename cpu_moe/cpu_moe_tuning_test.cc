@@ -169,6 +169,10 @@ TEST(CpuMoeTuningTest, EnvReadWhenOptionsAreBuilt) {
   EXPECT_EQ(d.pass1_rows, Options::kAuto);
   EXPECT_EQ(d.pass2_rows, Options::kAuto);
   EXPECT_TRUE(d.overlap_passes);
+  EXPECT_TRUE(d.block_lane);
+  setenv("MOE_CPU_BLOCK_LANE", "0", 1);
+  EXPECT_FALSE(Options::FromEnv().block_lane);
+  unsetenv("MOE_CPU_BLOCK_LANE");
   setenv("MOE_CPU_OVERLAP", "0", 1);
   EXPECT_FALSE(Options::FromEnv().overlap_passes);
   unsetenv("MOE_CPU_OVERLAP");
