@@ -61,9 +61,10 @@ std::vector<float> RunForward(const HostBank& hb, int T, const Case& c, const Op
   return y;
 }
 
-// Every format that matters for the sweep (bf16, q4_0) x every compiled+supported target x
-// T in {1, 16} x dedup on/off: each tuning setting gives the defaults' y bit for bit. oneDNN is
-// off (its runs differ run to run; it does not use these options).
+// Every format that matters for the sweep (bf16 with its bf16 dot product on and off, q4_0) x
+// every compiled+supported target x T in {1, 16} x dedup on/off: each tuning setting gives the
+// defaults' y bit for bit. oneDNN is off (its runs differ run to run; it does not use these
+// options).
 TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
   common::ThreadPool pool(2);
   struct Setting {
@@ -85,22 +86,26 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
       for (int T : {1, 16}) {
         const Case c = MakeCase(T, 100 + T);
         for (bool dedup : {true, false}) {
-          Options base;
-          base.max_target = target;
-          base.dedup = dedup;
-          base.onednn_min_tokens_per_expert = 0;
-          const std::vector<float> y0 = RunForward(hb, T, c, base, pool);
-          for (const Setting& s : settings) {
-            Options o = base;
-            o.prefetch_bytes = s.prefetch;
-            o.pass1_rows = s.pass1;
-            o.pass2_rows = s.pass2;
-            const std::vector<float> y = RunForward(hb, T, c, o, pool);
-            // memcmp: bit for bit (NaN-safe, -0 vs +0 distinguished).
-            EXPECT_EQ(std::memcmp(y.data(), y0.data(), y.size() * sizeof(float)), 0)
-                << common::WeightFormatName(f) << " " << target << " T=" << T
-                << " dedup=" << dedup << " prefetch=" << s.prefetch << " pass1=" << s.pass1
-                << " pass2=" << s.pass2;
+          for (bool dot : {true, false}) {
+            if (!dot && f != WeightFormat::kBf16) continue;  // the option is bf16's only
+            Options base;
+            base.max_target = target;
+            base.dedup = dedup;
+            base.bf16_dot_product = dot;
+            base.onednn_min_tokens_per_expert = 0;
+            const std::vector<float> y0 = RunForward(hb, T, c, base, pool);
+            for (const Setting& s : settings) {
+              Options o = base;
+              o.prefetch_bytes = s.prefetch;
+              o.pass1_rows = s.pass1;
+              o.pass2_rows = s.pass2;
+              const std::vector<float> y = RunForward(hb, T, c, o, pool);
+              // memcmp: bit for bit (NaN-safe, -0 vs +0 distinguished).
+              EXPECT_EQ(std::memcmp(y.data(), y0.data(), y.size() * sizeof(float)), 0)
+                  << common::WeightFormatName(f) << " " << target << " T=" << T
+                  << " dedup=" << dedup << " bf16_dot=" << dot << " prefetch=" << s.prefetch
+                  << " pass1=" << s.pass1 << " pass2=" << s.pass2;
+            }
           }
         }
       }
