@@ -7,8 +7,8 @@
 //              way) -> part [routes, H] -> per token, the sum of its routes' rows -> y.
 // A group is a unique expert with all its routes when deduping, a single route otherwise.
 // Each weight row is decoded once per work item and dotted against up to 4 (bf16, fp8) or 8 (int8
-// formats) routes at a time, so a row shared by several tokens is read from DRAM once and reused
-// from registers / L1.
+// formats, bf16 by vdpbf16ps) routes at a time, so a row shared by several tokens is read from
+// DRAM once and reused from registers / L1.
 
 #if defined(MOE_CPU_MOE_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MOE_CPU_MOE_INL_H_
@@ -40,6 +40,12 @@ HWY_BEFORE_NAMESPACE();
 // Highway 1.0.3's AVX3_DL target string names avxvnni but not avx512vnni, although its CPU check
 // requires AVX-512 VNNI for AVX3_DL; add it so the dpbusd intrinsics below compile.
 #pragma GCC target("avx512vnni")
+// AVX512_BF16 is no part of AVX3_DL (Ice Lake has AVX3_DL without it): enabled here so that the
+// vdpbf16ps intrinsic compiles, and run only when Forward found the CPU feature at run time
+// (ForwardPlan::bf16_dot_product). GCC 12 has no bf16 arithmetic type that other code could be
+// compiled into these instructions from: the compiled AVX3_DL code holds AVX512_BF16
+// instructions only where Bf16DotRows<..., true> is inlined (checked with objdump).
+#pragma GCC target("avx512bf16")
 #endif
 namespace moe {
 namespace cpu_moe {
@@ -50,12 +56,14 @@ using common::BlockQ4_0;
 using internal::ForwardPlan;
 
 // Routes dotted against one decoded weight row at a time (at most; the stride of the sums
-// arrays). bf16/fp8 use 4 (two fp32 accumulators per row and route), the int8 formats 8.
+// arrays). bf16 with fp32 FMAs and fp8 use 4 (two fp32 accumulators per row and route, or the
+// fp8 decode's registers), the int8 formats and bf16 by vdpbf16ps (kBf16Dot, one accumulator per
+// row and route) 8.
 constexpr int kTile = 8;
-template <common::WeightFormat F>
+template <common::WeightFormat F, bool kBf16Dot = false>
 constexpr int TileOf() {
   return F == common::WeightFormat::kQ4_0 || F == common::WeightFormat::kMxfp4 ||
-                 F == common::WeightFormat::kNvfp4
+                 F == common::WeightFormat::kNvfp4 || kBf16Dot
              ? 8
              : 4;
 }
@@ -78,6 +86,9 @@ HWY_INLINE void Pf(const void* p) { hwy::Prefetch(p); }
 // unsigned (code + offset) so that u8 x s8 instructions (maddubs, dpbusd) apply; neg[j] =
 // -offset * (sum of the 8 activation codes of lane j) removes the offset.
 // bf16: xe[i] = x[2i], xo[i] = x[2i+1], matching the even/odd halves of a u32 lane of bf16 pairs.
+// bf16 by the CPU's bf16 dot product (kBf16Dot): xb[i] = bf16(x[i]) (common::FloatToBf16), in
+// natural order: vdpbf16ps multiplies the bf16 pair of each u32 lane of the weights with the pair
+// in the same lane of the activations.
 // fp8: x as is, except on AVX3_DL, whose table decode (Fp8DotRows) yields the weights of each
 // 64-column chunk at c as 4 vectors v of 16 in a permuted order:
 //   xf[c + 16v + j] = x[c + 16(j/4) + 8(v/2) + 2(j%4) + v%2]   (v < 4, j < 16);
@@ -88,6 +99,7 @@ struct ActView {
   // [neg k/8 int32], so that with b the packed byte index, lo[b], hi[b], xs[b/4] and neg[b/4]
   // all sit at q + b plus a fixed offset (0, k/2, k, 3k/2): one pointer per activation.
   const int8_t* q;
+  const uint16_t* xb;
   const float* xe;
   const float* xo;
   const float* xf;
@@ -118,14 +130,17 @@ HWY_INLINE constexpr size_t BlockLaneBytes(size_t nbytes, bool enabled) {
 HWY_INLINE constexpr size_t BlockLaneBytes(size_t, bool) { return 0; }
 #endif
 
-// Storage for n activation vectors of length k in format F's layout.
-template <common::WeightFormat F>
+// Storage for n activation vectors of length k in format F's layout (kBf16Dot: bf16 rounded, for
+// the CPU's bf16 dot product).
+template <common::WeightFormat F, bool kBf16Dot = false>
 class ActSet {
  public:
   // block_lane: lay quantized activations out for QuantDotBlockLane (MatrixRef::block_lane).
   ActSet(size_t n, size_t k, bool block_lane) : k_(k), n_(n), block_lane_(block_lane) {
     if constexpr (IsQuant<F>()) {
       i8_ = std::make_unique<common::AlignedBuffer<int8_t>>(std::max<size_t>(1, n * 2 * k));
+    } else if constexpr (kBf16Dot) {
+      u16_ = std::make_unique<common::AlignedBuffer<uint16_t>>(std::max<size_t>(1, n * k));
     } else {
       f32_ = std::make_unique<common::AlignedBuffer<float>>(std::max<size_t>(1, n * k));
     }
@@ -135,6 +150,8 @@ class ActSet {
     ActView v{};
     if constexpr (IsQuant<F>()) {
       v.q = i8_->data() + i * 2 * k_;
+    } else if constexpr (kBf16Dot) {
+      v.xb = u16_->data() + i * k_;
     } else if constexpr (F == common::WeightFormat::kBf16) {
       v.xe = f32_->data() + i * k_;
       v.xo = v.xe + k_ / 2;
@@ -221,6 +238,9 @@ class ActSet {
           }
         }
       }
+    } else if constexpr (kBf16Dot) {
+      uint16_t* xb = const_cast<uint16_t*>(v.xb);
+      for (size_t j = c0; j < c1; ++j) xb[j] = common::FloatToBf16(x[j]);
     } else if constexpr (F == common::WeightFormat::kBf16) {
       float* xe = const_cast<float*>(v.xe);
       float* xo = const_cast<float*>(v.xo);
@@ -264,6 +284,7 @@ class ActSet {
   size_t n_;
   bool block_lane_;
   std::unique_ptr<common::AlignedBuffer<int8_t>> i8_;
+  std::unique_ptr<common::AlignedBuffer<uint16_t>> u16_;
   std::unique_ptr<common::AlignedBuffer<float>> f32_;
 };
 
@@ -820,6 +841,46 @@ HWY_INLINE void Bf16DotAll(DF df, const uint16_t* const* w, const ActView* acts,
   }
 }
 
+// NR bf16 rows of k elements x NT activations, added into sums[row][t]. kBf16Dot (AVX3_DL with
+// AVX512_BF16 only, see ForwardPlan::bf16_dot_product): vdpbf16ps against the bf16 activations
+// (ActView::xb); lane j of one instruction adds w[2j] x[2j] + w[2j+1] x[2j+1] over the 32
+// elements [c, c + 32) (bf16 products are exact in fp32; the sums round). k is a multiple of 32
+// (ValidateBank), a whole number of 512-bit vectors: no tail. One accumulator per (row, token):
+// the rows' 2 weight vectors and up to 16 accumulators fit the 32 registers at NT = 8, and every
+// (row, token) sums its lanes in the same order whatever NR and NT are. Like Bf16DotLevel, one
+// prefetch per 64 bytes of each row, pf bytes ahead. Otherwise: fp32 FMAs (Bf16DotAll).
+template <int NR, int NT, bool kBf16Dot>
+HWY_INLINE void Bf16DotRows(const uint16_t* const* w, const ActView* acts, size_t k, size_t pf,
+                            float (*HWY_RESTRICT sums)[kTile]) {
+  const hn::ScalableTag<float> df;
+  if constexpr (kBf16Dot) {
+#if HWY_TARGET == HWY_AVX3_DL
+    hn::Vec<decltype(df)> acc[NR][NT];
+    for (int rr = 0; rr < NR; ++rr) {
+      for (int t = 0; t < NT; ++t) acc[rr][t] = hn::Zero(df);
+    }
+    for (size_t c = 0; c < k; c += 32) {
+      __m512bh wv[NR];
+      for (int rr = 0; rr < NR; ++rr) {
+        if (pf != 0) Pf(reinterpret_cast<const uint8_t*>(w[rr] + c) + pf);
+        wv[rr] = (__m512bh)_mm512_loadu_si512(w[rr] + c);
+      }
+      for (int t = 0; t < NT; ++t) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(acts[t].xb + c);
+        for (int rr = 0; rr < NR; ++rr) {
+          acc[rr][t].raw = _mm512_dpbf16_ps(acc[rr][t].raw, wv[rr], xv);
+        }
+      }
+    }
+    AddLaneSums(df, &acc[0][0], NR, NT, sums);
+#else
+    static_assert(!kBf16Dot, "vdpbf16ps is used on AVX3_DL only");
+#endif
+  } else {
+    Bf16DotAll<NR, NT>(df, w, acts, 0, k / 2, pf, sums);
+  }
+}
+
 #if HWY_TARGET == HWY_AVX3_DL
 // fp8 e4m3 -> f32 by table lookup (AVX3_DL: AVX-512 VBMI). Every e4m3 value is exactly a bf16
 // (bf16 has f32's 8-bit exponent, and 7 mantissa bits for e4m3's 3, subnormals included), so
@@ -1009,7 +1070,7 @@ HWY_INLINE void Fp8DotRows(const uint8_t* const* w, const float* const* scale_ro
 }
 
 // sums[i][t] = dot(row r[i] of expert e of m, acts[t]) for i < NR, t < NT (NT <= kTile).
-template <common::WeightFormat F, int NR, int NT>
+template <common::WeightFormat F, int NR, int NT, bool kBf16Dot>
 HWY_INLINE void DotRowsN(const MatrixRef& m, size_t e, const size_t* r, const ActView* acts,
                          float (*sums)[kTile]) {
   for (int rr = 0; rr < NR; ++rr) {
@@ -1032,7 +1093,7 @@ HWY_INLINE void DotRowsN(const MatrixRef& m, size_t e, const size_t* r, const Ac
     for (int rr = 0; rr < NR; ++rr) {
       w[rr] = static_cast<const uint16_t*>(m.weights) + (e * m.rows + r[rr]) * k;
     }
-    Bf16DotAll<NR, NT>(hn::ScalableTag<float>(), w, acts, 0, k / 2, m.prefetch, sums);
+    Bf16DotRows<NR, NT, kBf16Dot>(w, acts, k, m.prefetch, sums);
   } else {
     const size_t bcols = (k + common::kFp8BlockSize - 1) / common::kFp8BlockSize;
     const size_t brows = (m.rows + common::kFp8BlockSize - 1) / common::kFp8BlockSize;
@@ -1048,25 +1109,26 @@ HWY_INLINE void DotRowsN(const MatrixRef& m, size_t e, const size_t* r, const Ac
 }
 
 // Dots NR rows against n activations (any n), kTile at a time: out[i][t] for i < NR, t < n.
-template <common::WeightFormat F, int NR>
+template <common::WeightFormat F, int NR, bool kBf16Dot>
 HWY_INLINE void DotRowsMany(const MatrixRef& m, size_t e, const size_t* r, const ActView* acts,
                             int n, float* const* out) {
   float sums[NR][kTile];
   // Tokens per call: the format's tile for up to 2 rows, half of it for 4 rows (the accumulators
   // of NR x NT must stay in registers).
-  constexpr int kT = NR <= 2 ? TileOf<F>() : TileOf<F>() / 2;
+  constexpr int kTileF = TileOf<F, kBf16Dot>();
+  constexpr int kT = NR <= 2 ? kTileF : kTileF / 2;
   for (int t = 0; t < n; t += kT) {
     const int nt = std::min(kT, n - t);
     switch (nt) {
       // (nt never exceeds kT; the dependent if constexpr keeps larger tiles unbuilt.)
-      case 8: if constexpr (kT >= 8) DotRowsN<F, NR, 8>(m, e, r, acts + t, sums); break;
-      case 7: if constexpr (kT >= 8) DotRowsN<F, NR, 7>(m, e, r, acts + t, sums); break;
-      case 6: if constexpr (kT >= 8) DotRowsN<F, NR, 6>(m, e, r, acts + t, sums); break;
-      case 5: if constexpr (kT >= 8) DotRowsN<F, NR, 5>(m, e, r, acts + t, sums); break;
-      case 4: if constexpr (kT >= 4) DotRowsN<F, NR, 4>(m, e, r, acts + t, sums); break;
-      case 3: if constexpr (kT >= 4) DotRowsN<F, NR, 3>(m, e, r, acts + t, sums); break;
-      case 2: DotRowsN<F, NR, 2>(m, e, r, acts + t, sums); break;
-      default: DotRowsN<F, NR, 1>(m, e, r, acts + t, sums); break;
+      case 8: if constexpr (kT >= 8) DotRowsN<F, NR, 8, kBf16Dot>(m, e, r, acts + t, sums); break;
+      case 7: if constexpr (kT >= 8) DotRowsN<F, NR, 7, kBf16Dot>(m, e, r, acts + t, sums); break;
+      case 6: if constexpr (kT >= 8) DotRowsN<F, NR, 6, kBf16Dot>(m, e, r, acts + t, sums); break;
+      case 5: if constexpr (kT >= 8) DotRowsN<F, NR, 5, kBf16Dot>(m, e, r, acts + t, sums); break;
+      case 4: if constexpr (kT >= 4) DotRowsN<F, NR, 4, kBf16Dot>(m, e, r, acts + t, sums); break;
+      case 3: if constexpr (kT >= 4) DotRowsN<F, NR, 3, kBf16Dot>(m, e, r, acts + t, sums); break;
+      case 2: DotRowsN<F, NR, 2, kBf16Dot>(m, e, r, acts + t, sums); break;
+      default: DotRowsN<F, NR, 1, kBf16Dot>(m, e, r, acts + t, sums); break;
     }
     for (int rr = 0; rr < NR; ++rr) {
       for (int i = 0; i < nt; ++i) out[rr][t + i] = sums[rr][i];
@@ -1144,7 +1206,8 @@ constexpr bool kFuseRows = true;
 // rows, adding routes in group order.
 
 
-template <common::WeightFormat F>
+// kBf16Dot: bf16 by the CPU's bf16 dot product (ForwardPlan::bf16_dot_product).
+template <common::WeightFormat F, bool kBf16Dot = false>
 void ForwardFormat(ForwardPlan& plan) {
   const ExpertBank& bank = *plan.bank;
   const Options& opt = *plan.options;
@@ -1178,7 +1241,7 @@ void ForwardFormat(ForwardPlan& plan) {
       active_tokens.push_back(static_cast<int>(t));
     }
   }
-  ActSet<F> xacts(active_tokens.size(), H, opt.block_lane);
+  ActSet<F, kBf16Dot> xacts(active_tokens.size(), H, opt.block_lane);
   {
     std::vector<std::vector<float>> tmp(workers);
     pool.ParallelFor(active_tokens.size(), [&](uint64_t i, int worker) {
@@ -1201,7 +1264,7 @@ void ForwardFormat(ForwardPlan& plan) {
   // Pass 1: h[route, I] = act(gate x, up x); the up dots go to u first.
   common::AlignedBuffer<float> h(std::max<size_t>(1, R * I));
   common::AlignedBuffer<float> u(std::max<size_t>(1, R * I));
-  ActSet<F> hacts(R, I, opt.block_lane);
+  ActSet<F, kBf16Dot> hacts(R, I, opt.block_lane);
   const size_t G = plan.groups.size();
   const size_t nrb = (I + pass1_rows - 1) / pass1_rows;
   const size_t row_bytes1 = RowBytes(F, H);
@@ -1239,7 +1302,7 @@ void ForwardFormat(ForwardPlan& plan) {
       const size_t half = streams == 4 ? (r1 - r0) / 2 : 0;
       for (size_t r = r0; r < r0 + half; ++r) {
         const size_t rows[4] = {r, I + r, r + half, I + r + half};
-        DotRowsMany<F, 4>(gate_up, g.expert, rows, acts, nc, out);
+        DotRowsMany<F, 4, kBf16Dot>(gate_up, g.expert, rows, acts, nc, out);
         for (int i = 0; i < nc; ++i) {
           hrow[i][r] = gs[i];
           urow[i][r] = us[i];
@@ -1251,10 +1314,10 @@ void ForwardFormat(ForwardPlan& plan) {
         // The gate and up rows of r together: one pass over the activations for both.
         const size_t rows[2] = {r, I + r};
         if constexpr (kFuseRows<F>) {
-          DotRowsMany<F, 2>(gate_up, g.expert, rows, acts, nc, out);
+          DotRowsMany<F, 2, kBf16Dot>(gate_up, g.expert, rows, acts, nc, out);
         } else {
-          DotRowsMany<F, 1>(gate_up, g.expert, rows, acts, nc, out);
-          DotRowsMany<F, 1>(gate_up, g.expert, rows + 1, acts, nc, out + 1);
+          DotRowsMany<F, 1, kBf16Dot>(gate_up, g.expert, rows, acts, nc, out);
+          DotRowsMany<F, 1, kBf16Dot>(gate_up, g.expert, rows + 1, acts, nc, out + 1);
         }
         for (int i = 0; i < nc; ++i) {
           hrow[i][r] = gs[i];
@@ -1308,14 +1371,14 @@ void ForwardFormat(ForwardPlan& plan) {
       }
       for (size_t p = 0; p < q; ++p) {
         const size_t rows[4] = {h0 + p, h0 + q + p, h0 + 2 * q + p, h0 + 3 * q + p};
-        DotRowsMany<F, 4>(down, g.expert, rows, acts, nc, out);
+        DotRowsMany<F, 4, kBf16Dot>(down, g.expert, rows, acts, nc, out);
         for (int i = 0; i < nc; ++i) {
           for (int j = 0; j < 4; ++j) dst[i][rows[j]] = wt[i] * dots[j][i];
         }
       }
       for (size_t p = 0; p < half; ++p) {
         const size_t rows[2] = {p0 + p, p0 + half + p};
-        DotRowsMany<F, 2>(down, g.expert, rows, acts, nc, out);
+        DotRowsMany<F, 2, kBf16Dot>(down, g.expert, rows, acts, nc, out);
         for (int i = 0; i < nc; ++i) {
           dst[i][rows[0]] = wt[i] * dots[0][i];
           dst[i][rows[1]] = wt[i] * dots[1][i];
@@ -1407,7 +1470,12 @@ void ForwardFormat(ForwardPlan& plan) {
 
 void ForwardImpl(ForwardPlan& plan) {
   switch (plan.bank->format) {
-    case common::WeightFormat::kBf16: return ForwardFormat<common::WeightFormat::kBf16>(plan);
+    case common::WeightFormat::kBf16:
+#if HWY_TARGET == HWY_AVX3_DL
+      // Forward sets bf16_dot_product only when this target runs on a CPU with AVX512_BF16.
+      if (plan.bf16_dot_product) return ForwardFormat<common::WeightFormat::kBf16, true>(plan);
+#endif
+      return ForwardFormat<common::WeightFormat::kBf16>(plan);
     case common::WeightFormat::kFp8Block:
       return ForwardFormat<common::WeightFormat::kFp8Block>(plan);
     case common::WeightFormat::kQ4_0: return ForwardFormat<common::WeightFormat::kQ4_0>(plan);

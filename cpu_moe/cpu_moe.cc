@@ -76,6 +76,18 @@ size_t TableIndex(int64_t targets) {
 
 int64_t BestTarget(int64_t targets) { return targets & -targets; }
 
+// AVX512_BF16 (vdpbf16ps), which Highway's AVX3_DL target does not require (Ice Lake has AVX3_DL
+// without it). Detected once, like CompiledSupported: CPU features do not change while the
+// process runs.
+bool CpuHasAvx512Bf16() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
 absl::StatusOr<int64_t> ChooseTarget(const std::string& cap) {
   int64_t allowed = CompiledSupported();
   if (!cap.empty()) {
@@ -314,6 +326,7 @@ Options Options::FromEnv() {
   EnvFlag("MOE_CPU_OVERLAP", &o.overlap_passes);
   EnvFlag("MOE_CPU_BLOCK_LANE", &o.block_lane);
   EnvFlag("MOE_CPU_DEBUG", &o.debug);
+  EnvFlag("MOE_CPU_BF16_DOT", &o.bf16_dot_product);
   if (const char* t = std::getenv("MOE_CPU_MAX_TARGET"); t != nullptr) o.max_target = t;
   if (const char* v = std::getenv("MOE_CPU_ONEDNN_MIN_TOKENS"); v != nullptr && *v != '\0') {
     o.onednn_min_tokens_per_expert = std::max(0, std::atoi(v));
@@ -365,6 +378,8 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   plan.x_dtype = x_dtype;
   plan.y = y;
   plan.y_dtype = y_dtype;
+  plan.bf16_dot_product = bank.format == WeightFormat::kBf16 && options.bf16_dot_product &&
+                          target == HWY_AVX3_DL && CpuHasAvx512Bf16();
   plan.token_route_begin.assign(num_tokens + 1, 0);
   for (int t = 0; t < num_tokens; ++t) {
     for (int j = 0; j < top_k; ++j) {
@@ -411,20 +426,23 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   const char* target_name = hwy::TargetName(target);
   const int all_routes = num_routes + onednn.routes;
   const int all_unique = unique + onednn.experts;
+  const bool bf16_dot_ran = plan.bf16_dot_product && num_routes > 0;
   if (stats != nullptr) {
     stats->routes = all_routes;
     stats->unique_experts = all_unique;
     stats->reuse = all_unique > 0 ? static_cast<double>(all_routes) / all_unique : 0.0;
     stats->target = target_name;
     stats->onednn_experts = onednn.experts;
+    stats->bf16_dot_product = bf16_dot_ran;
   }
   if (options.debug) {
     std::fprintf(stderr,
                  "cpu_moe: T=%d routes=%d unique_experts=%d reuse=%.3f dedup=%d target=%s "
-                 "onednn_experts=%d onednn_routes=%d\n",
+                 "bf16_dot=%d onednn_experts=%d onednn_routes=%d\n",
                  num_tokens, all_routes, all_unique,
                  all_unique > 0 ? static_cast<double>(all_routes) / all_unique : 0.0,
-                 dedup ? 1 : 0, target_name, onednn.experts, onednn.routes);
+                 dedup ? 1 : 0, target_name, bf16_dot_ran ? 1 : 0, onednn.experts,
+                 onednn.routes);
   }
 
   // One dispatch per call, at the chosen (possibly capped) target.

@@ -8,7 +8,9 @@
 // their work by (unique expert, row block) (seed 003), so tokens that share an expert share its
 // bytes; pass 2 writes each route's rows apart and sums every token's routes at the end.
 // Quantized formats use int8 dot products (VNNI where the CPU has it) against activations
-// quantized per 32-element block like llama.cpp's Q8_0; bf16 and fp8 use fp32 FMAs.
+// quantized per 32-element block like llama.cpp's Q8_0; bf16 uses the CPU's bf16 dot product
+// (AVX512_BF16) against activations rounded to bf16 where present, fp32 FMAs elsewhere; fp8 uses
+// fp32 FMAs.
 // ISA targets come from Highway dynamic dispatch, chosen once per Forward call.
 //
 // Plain types only: no Highway types in this header.
@@ -90,8 +92,16 @@ struct Options {
   // false: the plain layout (for comparison; results differ only by int32 -> fp32 rounding of
   // partial sums, within the format's tolerance).
   bool block_lane = true;
-  // Print the reuse factor (routes / unique experts) and the chosen target to stderr per call.
+  // Print the reuse factor (routes / unique experts), the chosen target and whether bf16's dot
+  // product ran to stderr per call.
   bool debug = false;
+  // bf16 banks only: where the CPU has AVX512_BF16 and the AVX3_DL target runs, round x and the
+  // activated intermediate h to bf16 (round to nearest even, as common::FloatToBf16) and dot them
+  // with the weights by the CPU's bf16 dot product (vdpbf16ps: exact products, fp32 sums; bf16
+  // denormals count as zero). false keeps x and h in fp32 with fp32 FMAs: the rounding adds a
+  // relative error of up to 2^-9 per activation element (about 0.3% of y, relative Frobenius, in
+  // cpu_moe_test), fp32 alone about 1e-6. ForwardStats::bf16_dot_product says which ran.
+  bool bf16_dot_product = true;
   // Highway target name ("AVX3_DL", "AVX3", "AVX2", "SSE4", ...) to cap dispatch at; empty: the
   // best target the CPU supports. A cap naming a supported target runs exactly that target.
   std::string max_target;
@@ -139,8 +149,8 @@ struct Options {
 
   // Options with the environment's switches applied, read now (never cached):
   //   MOE_CPU_DEDUP=0 turns dedup off, MOE_CPU_OVERLAP=0 turns overlap_passes off,
-  //   MOE_CPU_BLOCK_LANE=0 turns block_lane off,
-  //   MOE_CPU_DEBUG=1 turns debug on,
+  //   MOE_CPU_BLOCK_LANE=0 turns block_lane off, MOE_CPU_BF16_DOT=0 turns bf16_dot_product
+  //   off, MOE_CPU_DEBUG=1 turns debug on,
   //   MOE_CPU_MAX_TARGET=<name> caps the target,
   //   MOE_CPU_ONEDNN_MIN_TOKENS=<n> sets onednn_min_tokens_per_expert (0: oneDNN off),
   //   MOE_CPU_PREFETCH_BYTES=<n>, MOE_CPU_PASS1_ROWS=<n>, MOE_CPU_PASS2_ROWS=<n>,
@@ -156,6 +166,9 @@ struct ForwardStats {
   double reuse = 0.0;      // routes / unique_experts (0 when there are no routes)
   std::string target;      // Highway target that ran
   int onednn_experts = 0;  // experts computed through oneDNN (their routes are in `routes`)
+  // The GEMV kernels ran with the CPU's bf16 dot product on bf16-rounded activations (see
+  // Options::bf16_dot_product); false when they used fp32 FMAs or did not run.
+  bool bf16_dot_product = false;
   // Wall time of the GEMV path's phases (for profiling; zero when no route took that path):
   // preparing x, pass 1 (gate_up), preparing h, pass 2 (down). The oneDNN part is not included.
   // With overlap_passes, pass 1 runs until its last item is done and includes preparing h

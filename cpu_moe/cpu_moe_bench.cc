@@ -18,7 +18,8 @@
 // default 3; 1 on a slow machine, where one reading of the 4 x LLC buffer takes a second),
 // --hugepages=0 (weights on 4 KiB pages; by default they
 // are advised onto transparent huge pages like the probe's buffer). Env MOE_CPU_MAX_TARGET caps
-// the ISA as in the library.
+// the ISA as in the library, MOE_CPU_BF16_DOT=0 turns bf16's dot product off (the counter bf16_dot
+// says whether it ran).
 // Also reported: prep_ms, pass1_ms, pass2_ms, other_ms (where a step's time goes) and
 // pass1_bw_fraction / pass2_bw_fraction (each pass's bytes over its own time, against DRAM).
 // --ab=... runs variants of the env switches side by side instead (see RunAb below), e.g.
@@ -248,6 +249,7 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
   state.counters["reuse"] = reuse;
   state.counters["routes"] = routes;
   state.counters["model_ms"] = (dedup ? ub : routes * per_expert) / (dram * 1e9) * 1e3;
+  state.counters["bf16_dot"] = fs.bf16_dot_product ? 1 : 0;
   // Where the time goes: each phase's ms per step, the rest of the call (planning, allocation)
   // as other_ms, and the two passes' own read rates against DRAM (pass 1 reads gate_up, pass 2
   // down; with dedup each unique expert once, without it once per route).
@@ -308,6 +310,7 @@ void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int T) {
   // Each pass's own rate (its matrix's bytes / its time).
   state.counters["pass1_gbps_hot"] = hb->bank.GateUpBytesPerExpert() * kE * 1e-9 * iters / p1;
   state.counters["pass2_gbps_hot"] = hb->bank.DownBytesPerExpert() * kE * 1e-9 * iters / p2;
+  state.counters["bf16_dot"] = fs.bf16_dot_product ? 1 : 0;
 }
 
 void RegisterAll() {
@@ -559,8 +562,9 @@ int main(int argc, char** argv) {
                                 return s;
                               }());
   {
-    // The memory-system tuning in effect (MOE_CPU_PREFETCH_BYTES / _PASS1_ROWS / _PASS2_ROWS), so
-    // each JSON of a sweep says which setting it measured.
+    // The memory-system tuning in effect (MOE_CPU_PREFETCH_BYTES / _PASS1_ROWS / _PASS2_ROWS) and
+    // the bf16 dot product switch (MOE_CPU_BF16_DOT), so each JSON of a sweep says which setting
+    // it measured.
     const moe::cpu_moe::Options o = moe::cpu_moe::Options::FromEnv();
     benchmark::AddCustomContext("cpu_moe_tuning",
                                 absl::StrCat("hugepages=", moe::cpu_moe::g_hugepages,
@@ -568,7 +572,9 @@ int main(int argc, char** argv) {
                                              " pass1_rows=", o.pass1_rows,
                                              " pass2_rows=", o.pass2_rows,
                                              " row_streams=", o.row_streams,
-                                             " overlap_passes=", o.overlap_passes ? 1 : 0));
+                                             " overlap_passes=", o.overlap_passes ? 1 : 0,
+                                             " block_lane=", o.block_lane ? 1 : 0,
+                                             " bf16_dot_product=", o.bf16_dot_product ? 1 : 0));
   }
   moe::cpu_moe::RegisterAll();
   benchmark::Initialize(&argc, argv);

@@ -1,6 +1,7 @@
 // Tests of cpu_moe against the float64 reference (test_bank.h), on every compiled Highway target
 // the CPU supports, every weight format, T in {1, 2, 5, 16, 64}, dedup on and off, uniform and
-// skewed routing.
+// skewed routing, for bf16 the CPU's bf16 dot product on and off, for the int8 formats the
+// block-lane and the plain activation layout (Options::block_lane).
 //
 // Tolerance (derived, per output element): the kernels differ from the reference that emulates
 // their activation quantization only by fp32 accumulation order and by an occasional int8
@@ -14,6 +15,24 @@
 // Against the plain float64 reference (no activation emulation) the relative Frobenius error is
 // bounded by the int8 activation error (two stages of about 0.4% RMS each) for quantized formats,
 // by fp32 rounding otherwise.
+//
+// bf16 by the CPU's bf16 dot product (Options::bf16_dot_product; it runs on AVX3_DL where the CPU
+// has AVX512_BF16, ForwardStats says when): the reference rounds x and h to bf16 as the kernel
+// does (EmulateActBf16). x is then rounded identically on both sides, and h differs only where
+// the kernel's fp32 h and the reference's float64 h round to neighbouring bf16 values (flip = one
+// bf16 ulp of h_i times the largest |D| per route). bf16 x bf16 products are exact in fp32, so the
+// rest is fp32 summation: per output, each lane of the down row's vdpbf16ps chain adds
+// 2 * I / 32 products, AddLaneSums 4 levels of lanes, then one rounding for the route weight and
+// top_k - 1 adds over routes: with I = 288, k = 4, 18 + 4 + 1 + 3 = 26 roundings of at most
+// 2^-24 of partial sums bounded by abs_scale, 1.6e-6 * abs_scale. Checked at
+// 1e-5 * abs_scale + flip + 1e-7 (6x margin), 20 times tighter than the fp32 path's 2e-4, so that
+// skipping the rounding would be seen: the reference without it fails (a negative control below).
+// The test data hold no denormals (x ~ N(0, 1), weights uniform in +-sqrt(3 / k), h a swiglu of
+// O(1) values), so vdpbf16ps' treatment of denormal inputs (as zero) and outputs (flushed) never
+// acts; the emulation counts denormal activations as zero all the same. Against the plain
+// reference, the bf16 roundings of x and h (relative error at most 2^-9, RMS about 0.16% per
+// element; h takes those of gate and up as well) give a relative Frobenius error of about 0.3%,
+// checked at <= 1%.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -57,12 +76,18 @@ std::vector<float> RandomX(int T, int H, std::mt19937_64& rng) {
   return x;
 }
 
-// max over elements of |y - ref| / tol (<= 1 passes).
+// Tolerance per unit of abs_scale (see the header comment): fp32 kernels, and bf16 by the CPU's
+// bf16 dot product against the reference that rounds its activations alike.
+constexpr double kRelFp32 = 2e-4;
+constexpr double kRelBf16Dot = 1e-5;
+
+// max over elements of |y - ref| / tol (<= 1 passes), tol = rel * abs_scale + flip + 1e-7.
 double WorstRatio(const std::vector<float>& y, const std::vector<double>& ref,
-                  const std::vector<double>& abs_scale, const std::vector<double>& flip) {
+                  const std::vector<double>& abs_scale, const std::vector<double>& flip,
+                  double rel = kRelFp32) {
   double worst = 0.0;
   for (size_t i = 0; i < y.size(); ++i) {
-    const double tol = 2e-4 * abs_scale[i] + flip[i] + 1e-7;
+    const double tol = rel * abs_scale[i] + flip[i] + 1e-7;
     const double err = std::fabs(static_cast<double>(y[i]) - ref[i]);
     worst = std::max(worst, std::isfinite(y[i]) ? err / tol : 1e30);
   }
@@ -71,6 +96,17 @@ double WorstRatio(const std::vector<float>& y, const std::vector<double>& ref,
 
 bool IsQuant(WeightFormat f) {
   return f == WeightFormat::kQ4_0 || f == WeightFormat::kMxfp4 || f == WeightFormat::kNvfp4;
+}
+
+// Whether a bf16 bank at `target` with Options::bf16_dot_product runs the CPU's bf16 dot product.
+bool Bf16DotRunsAt(const std::string& target) {
+  return target == "AVX3_DL" && __builtin_cpu_supports("avx512bf16");
+}
+
+// Reference options matching a run: the bf16 activation rounding emulated where the run did it.
+Options RefOptions(Options o, const ForwardStats& st) {
+  o.bf16_dot_product = st.bf16_dot_product;
+  return o;
 }
 
 class CpuMoeTest : public ::testing::Test {
@@ -85,39 +121,56 @@ TEST_F(CpuMoeTest, TargetsAvailable) {
   for (const std::string& t : targets) std::printf("compiled and supported target: %s\n", t.c_str());
 }
 
-// Every format x target x T x dedup x routing against the emulating reference; plain reference
-// once per (format, T, routing).
+// Every format x target x T x dedup x routing (x bf16 dot product on / off for bf16) against the
+// emulating reference; plain reference once per (format, T, routing).
 TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
   std::mt19937_64 rng(1234);
   for (WeightFormat f : kFormats) {
     const HostBank hb = MakeRandomBank(f, kE, kH, kI, 77 + static_cast<int>(f));
+    const bool bf16 = f == WeightFormat::kBf16;
     for (int T : {1, 2, 5, 16, 64}) {
       for (bool skewed : {false, true}) {
         const Routing r = MakeRouting(T, kE, kTopK, skewed ? 1.2 : 0.0, rng);
         const std::vector<float> x = RandomX(T, kH, rng);
-        Options base;
-        std::vector<double> ref, scale, flip, plain, s2, f2;
-        ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, base, true, &ref, &scale, &flip);
-        ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, base, false, &plain, &s2, &f2);
+        Options exact, rounded;
+        exact.bf16_dot_product = false;
+        // [0]: activations as the fp32 kernels take them; [1]: rounded to bf16 (bf16 dot).
+        std::vector<double> ref[2], scale[2], flip[2], plain, s2, f2;
+        ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, exact, true, &ref[0], &scale[0],
+                         &flip[0]);
+        if (bf16) {
+          ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, rounded, true, &ref[1], &scale[1],
+                           &flip[1]);
+        }
+        ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, exact, false, &plain, &s2, &f2);
         for (const std::string& target : AvailableTargets()) {
-          for (int variant = 0; variant < (IsQuant(f) ? 4 : 2); ++variant) {
-            const bool dedup = variant % 2 == 1, block_lane = variant < 2;
-            Options o;
-            o.dedup = dedup;
-            o.block_lane = block_lane;  // both layouts of the int8 formats
-            o.max_target = target;
-            o.onednn_min_tokens_per_expert = 0;  // the GEMV kernels (oneDNN: onednn_experts_test)
-            std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
-            ForwardStats st;
-            ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o,
-                                pool_, &st).ok());
-            const std::string what = absl::StrCat(
-                std::string(common::WeightFormatName(f)), " T=", T, " skewed=", skewed,
-                " target=", target, " dedup=", dedup, " block_lane=", block_lane);
-            EXPECT_EQ(st.target, target) << what;
-            EXPECT_LE(WorstRatio(y, ref, scale, flip), 1.0) << what;
-            const double rel = RelFrobenius(y, plain);
-            EXPECT_LE(rel, IsQuant(f) ? 0.02 : 1e-5) << what;
+          for (bool dedup : {false, true}) {
+            // bf16: its bf16 dot product on and off; int8 formats: both layouts.
+            for (bool alt : {false, true}) {
+              const bool dot = bf16 && alt, block_lane = !alt;
+              if (alt && !bf16 && !IsQuant(f)) continue;
+              Options o;
+              o.dedup = dedup;
+              o.max_target = target;
+              o.bf16_dot_product = dot;
+              o.block_lane = block_lane;
+              o.onednn_min_tokens_per_expert = 0;  // GEMV kernels (oneDNN: onednn_experts_test)
+              std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
+              ForwardStats st;
+              ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o,
+                                  pool_, &st).ok());
+              const std::string what = absl::StrCat(
+                  std::string(common::WeightFormatName(f)), " T=", T, " skewed=", skewed,
+                  " target=", target, " dedup=", dedup, " bf16_dot=", dot,
+                  " block_lane=", block_lane);
+              EXPECT_EQ(st.target, target) << what;
+              EXPECT_EQ(st.bf16_dot_product, dot && Bf16DotRunsAt(target)) << what;
+              const int v = st.bf16_dot_product ? 1 : 0;
+              EXPECT_LE(WorstRatio(y, ref[v], scale[v], flip[v], v ? kRelBf16Dot : kRelFp32), 1.0)
+                  << what;
+              const double rel = RelFrobenius(y, plain);
+              EXPECT_LE(rel, IsQuant(f) ? 0.02 : st.bf16_dot_product ? 0.01 : 1e-5) << what;
+            }
           }
         }
       }
@@ -125,59 +178,78 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
   }
 }
 
-// Negative controls: the same check must fail for a wrong block scale and for a missed route.
+// Negative controls: the same check must fail for a wrong block scale and for a missed route, for
+// bf16 with its bf16 dot product on and off; and where the bf16 dot product ran, against a
+// reference that does not round the activations (the kernel's rounding must show).
 TEST_F(CpuMoeTest, BrokenVariantsFail) {
   std::mt19937_64 rng(99);
   const int T = 5;
   for (WeightFormat f : kFormats) {
-    HostBank hb = MakeRandomBank(f, kE, kH, kI, 5 + static_cast<int>(f));
     const Routing r = MakeRouting(T, kE, kTopK, 0.0, rng);
     const std::vector<float> x = RandomX(T, kH, rng);
-    Options o;
-    std::vector<double> ref, scale, flip;
-    ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, o, true, &ref, &scale, &flip);
-    std::vector<float> y(x.size());
-    ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_).ok());
-    EXPECT_LE(WorstRatio(y, ref, scale, flip), 1.0);
+    for (bool dot : {false, true}) {
+      if (dot && f != WeightFormat::kBf16) continue;  // the option is bf16's only
+      HostBank hb = MakeRandomBank(f, kE, kH, kI, 5 + static_cast<int>(f));
+      Options o;
+      o.bf16_dot_product = dot;
+      std::vector<float> y(x.size());
+      ForwardStats st;
+      ASSERT_TRUE(
+          Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st).ok());
+      const std::string what =
+          absl::StrCat(std::string(common::WeightFormatName(f)), " bf16_dot=", st.bf16_dot_product);
+      const double rel = st.bf16_dot_product ? kRelBf16Dot : kRelFp32;
+      std::vector<double> ref, scale, flip;
+      ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, RefOptions(o, st), true, &ref, &scale,
+                       &flip);
+      EXPECT_LE(WorstRatio(y, ref, scale, flip, rel), 1.0) << what;
+      if (st.bf16_dot_product) {
+        std::vector<double> unrounded, s2, f2;
+        ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, RefOptions(o, ForwardStats()), true,
+                         &unrounded, &s2, &f2);
+        EXPECT_GT(WorstRatio(y, unrounded, s2, f2, rel), 1.0) << what;
+      }
 
-    // Missed route: drop token 0's first route from the kernel's input.
-    Routing missed = r;
-    missed.ids[0] = -1;
-    ASSERT_TRUE(Forward(hb.bank, T, kTopK, missed.ids, missed.weights, x, absl::MakeSpan(y), o,
-                        pool_).ok());
-    EXPECT_GT(WorstRatio(y, ref, scale, flip), 10.0) << common::WeightFormatName(f);
+      // Missed route: drop token 0's first route from the kernel's input.
+      Routing missed = r;
+      missed.ids[0] = -1;
+      ASSERT_TRUE(Forward(hb.bank, T, kTopK, missed.ids, missed.weights, x, absl::MakeSpan(y), o,
+                          pool_).ok());
+      EXPECT_GT(WorstRatio(y, ref, scale, flip, rel), 10.0) << what;
 
-    // Wrong scale: double one block scale of the down matrix of expert ids[0] (first block of
-    // row 0, or its fp8 128x128 block; bf16 has no scale, so the 32 weights that a block would
-    // cover, the first of row 0, are doubled).
-    const int e = r.ids[0];
-    switch (f) {
-      case WeightFormat::kBf16: {
-        uint16_t* w = reinterpret_cast<uint16_t*>(hb.down_w.data()) + size_t{1} * e * kH * kI;
-        for (int i = 0; i < 32; ++i) w[i] = common::FloatToBf16(2.0f * common::Bf16ToFloat(w[i]));
-        break;
+      // Wrong scale: double one block scale of the down matrix of expert ids[0] (first block of
+      // row 0, or its fp8 128x128 block; bf16 has no scale, so the 32 weights that a block would
+      // cover, the first of row 0, are doubled).
+      const int e = r.ids[0];
+      switch (f) {
+        case WeightFormat::kBf16: {
+          uint16_t* w = reinterpret_cast<uint16_t*>(hb.down_w.data()) + size_t{1} * e * kH * kI;
+          for (int i = 0; i < 32; ++i) w[i] = common::FloatToBf16(2.0f * common::Bf16ToFloat(w[i]));
+          break;
+        }
+        case WeightFormat::kFp8Block: {
+          const int bs = common::kFp8BlockSize;
+          float* s = reinterpret_cast<float*>(hb.down_s.data()) +
+                     e * ((kH + bs - 1) / bs) * ((kI + bs - 1) / bs);
+          s[0] *= 2.0f;
+          break;
+        }
+        case WeightFormat::kQ4_0: {
+          auto* b = reinterpret_cast<common::BlockQ4_0*>(hb.down_w.data()) + e * kH * kI / 32;
+          b[0].d = common::FloatToFp16(2.0f * common::Fp16ToFloat(b[0].d));
+          break;
+        }
+        case WeightFormat::kMxfp4:
+          hb.down_s[e * kH * kI / 32] += 1;
+          break;
+        case WeightFormat::kNvfp4:
+          hb.down_s[e * kH * kI / 16] += 8;  // e4m3 exponent + 1
+          break;
       }
-      case WeightFormat::kFp8Block: {
-        const int bs = common::kFp8BlockSize;
-        float* s = reinterpret_cast<float*>(hb.down_s.data()) +
-                   e * ((kH + bs - 1) / bs) * ((kI + bs - 1) / bs);
-        s[0] *= 2.0f;
-        break;
-      }
-      case WeightFormat::kQ4_0: {
-        auto* b = reinterpret_cast<common::BlockQ4_0*>(hb.down_w.data()) + e * kH * kI / 32;
-        b[0].d = common::FloatToFp16(2.0f * common::Fp16ToFloat(b[0].d));
-        break;
-      }
-      case WeightFormat::kMxfp4:
-        hb.down_s[e * kH * kI / 32] += 1;
-        break;
-      case WeightFormat::kNvfp4:
-        hb.down_s[e * kH * kI / 16] += 8;  // e4m3 exponent + 1
-        break;
+      ASSERT_TRUE(
+          Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_).ok());
+      EXPECT_GT(WorstRatio(y, ref, scale, flip, rel), 1.0) << what;
     }
-    ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_).ok());
-    EXPECT_GT(WorstRatio(y, ref, scale, flip), 1.0) << common::WeightFormatName(f);
   }
 }
 
@@ -298,12 +370,14 @@ TEST_F(CpuMoeTest, Bf16IoSwigluOaiAndAccumulate) {
   Options o;
   o.activation = Activation::kSwiGluOai;
   o.swiglu_limit = 0.5f;  // small, so the clamps are exercised
-  std::vector<double> ref, scale, flip;
-  ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, o, true, &ref, &scale, &flip);
   std::vector<uint16_t> xb(x.size()), yb(x.size());
   for (size_t i = 0; i < x.size(); ++i) xb[i] = common::FloatToBf16(x[i]);
+  ForwardStats st;
   ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, xb.data(), DType::kBf16, yb.data(),
-                      DType::kBf16, o, pool_).ok());
+                      DType::kBf16, o, pool_, &st).ok());
+  std::vector<double> ref, scale, flip;
+  ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, RefOptions(o, st), true, &ref, &scale,
+                   &flip);
   for (size_t i = 0; i < x.size(); ++i) {
     EXPECT_NEAR(common::Bf16ToFloat(yb[i]), ref[i], 1e-2 * std::fabs(ref[i]) + 1e-4 * scale[i]);
   }
@@ -311,7 +385,7 @@ TEST_F(CpuMoeTest, Bf16IoSwigluOaiAndAccumulate) {
   o.accumulate = true;
   ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_).ok());
   for (size_t i = 0; i < x.size(); ++i) {
-    EXPECT_NEAR(y[i], 1.0 + ref[i], 2e-4 * scale[i] + 1e-6);
+    EXPECT_NEAR(y[i], 1.0 + ref[i], kRelFp32 * scale[i] + flip[i] + 1e-6);
   }
 }
 
@@ -367,6 +441,55 @@ TEST_F(CpuMoeTest, EnvReadWhenOptionsAreBuilt) {
   a.debug = false;
   ASSERT_TRUE(Forward(hb.bank, 1, 2, ids, w, x, absl::MakeSpan(y), a, pool_, &st).ok());
   EXPECT_EQ(st.target, "SSE4");
+}
+
+// MOE_CPU_BF16_DOT=0 turns the bf16 dot product off when options are built, and ForwardStats says
+// which path ran: off when switched off, for other formats and at other targets than AVX3_DL; on
+// by default where the CPU has AVX512_BF16 and AVX3_DL is the best target.
+TEST_F(CpuMoeTest, Bf16DotEnvSwitchAndStats) {
+  EXPECT_TRUE(Options().bf16_dot_product);
+  setenv("MOE_CPU_BF16_DOT", "0", 1);
+  const Options off = Options::FromEnv();
+  EXPECT_FALSE(off.bf16_dot_product);
+  unsetenv("MOE_CPU_BF16_DOT");
+  const Options on = Options::FromEnv();
+  EXPECT_TRUE(on.bf16_dot_product);
+
+  std::mt19937_64 rng(12);
+  const int T = 3;
+  const Routing r = MakeRouting(T, kE, kTopK, 0.0, rng);
+  const std::vector<float> x = RandomX(T, kH, rng);
+  const HostBank hb = MakeRandomBank(WeightFormat::kBf16, kE, kH, kI, 13, false);
+  std::vector<float> y_off(x.size()), y_on(x.size());
+  ForwardStats st;
+  st.bf16_dot_product = true;
+  ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y_off), off, pool_,
+                      &st).ok());
+  EXPECT_FALSE(st.bf16_dot_product);
+  const HostBank q4 = MakeRandomBank(WeightFormat::kQ4_0, kE, kH, kI, 13, false);
+  std::vector<float> y(x.size());
+  ASSERT_TRUE(
+      Forward(q4.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), on, pool_, &st).ok());
+  EXPECT_FALSE(st.bf16_dot_product) << "q4_0";
+  for (const std::string& target : AvailableTargets()) {
+    Options capped = on;
+    capped.max_target = target;
+    ASSERT_TRUE(
+        Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), capped, pool_, &st)
+            .ok());
+    EXPECT_EQ(st.bf16_dot_product, Bf16DotRunsAt(target)) << target;
+  }
+
+  if (!Bf16DotRunsAt(AvailableTargets().front())) {
+    GTEST_SKIP() << "the best target is " << AvailableTargets().front()
+                 << (__builtin_cpu_supports("avx512bf16") ? "" : " and the CPU lacks AVX512_BF16")
+                 << ": the bf16 dot product cannot run here";
+  }
+  ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y_on), on, pool_,
+                      &st).ok());
+  EXPECT_TRUE(st.bf16_dot_product);
+  EXPECT_EQ(st.target, "AVX3_DL");
+  EXPECT_NE(y_on, y_off);  // the activations were rounded to bf16
 }
 
 }  // namespace

@@ -62,11 +62,12 @@ std::vector<float> RunForward(const HostBank& hb, int T, const Case& c, const Op
   return y;
 }
 
-// bf16, fp8_block and q4_0 (one per activation layout) x every compiled+supported target x
-// T in {1, 16} x dedup on/off: each tuning setting, with the passes overlapped and not, gives the
-// defaults' y bit for bit. The settings include pass-1 row counts that do and do not allow the
-// overlap (multiples of the activation block or not; kH and kI leave a 32-column fp8 tail).
-// oneDNN is off (its runs differ run to run; it does not use these options).
+// bf16 (with its bf16 dot product on and off), fp8_block and q4_0 (one per activation layout) x
+// every compiled+supported target x T in {1, 16} x dedup on/off: each tuning setting, with the
+// passes overlapped and not, gives the defaults' y bit for bit. The settings include pass-1 row
+// counts that do and do not allow the overlap (multiples of the activation block or not; kH and
+// kI leave a 32-column fp8 tail). oneDNN is off (its runs differ run to run; it does not use
+// these options).
 TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
   common::ThreadPool pool(2);
   struct Setting {
@@ -98,24 +99,29 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
       for (int T : {1, 16}) {
         const Case c = MakeCase(T, 100 + T);
         for (bool dedup : {true, false}) {
-          Options base;
-          base.max_target = target;
-          base.dedup = dedup;
-          base.onednn_min_tokens_per_expert = 0;
-          const std::vector<float> y0 = RunForward(hb, T, c, base, pool);
-          for (const Setting& s : settings) {
-            Options o = base;
-            o.prefetch_bytes = s.prefetch;
-            o.pass1_rows = s.pass1;
-            o.pass2_rows = s.pass2;
-            o.overlap_passes = s.overlap;
-            o.row_streams = s.streams;
-            const std::vector<float> y = RunForward(hb, T, c, o, pool);
-            // memcmp: bit for bit (NaN-safe, -0 vs +0 distinguished).
-            EXPECT_EQ(std::memcmp(y.data(), y0.data(), y.size() * sizeof(float)), 0)
-                << common::WeightFormatName(f) << " " << target << " T=" << T
-                << " dedup=" << dedup << " prefetch=" << s.prefetch << " pass1=" << s.pass1
-                << " pass2=" << s.pass2 << " overlap=" << s.overlap << " streams=" << s.streams;
+          for (bool dot : {true, false}) {
+            if (!dot && f != WeightFormat::kBf16) continue;  // the option is bf16's only
+            Options base;
+            base.max_target = target;
+            base.dedup = dedup;
+            base.bf16_dot_product = dot;
+            base.onednn_min_tokens_per_expert = 0;
+            const std::vector<float> y0 = RunForward(hb, T, c, base, pool);
+            for (const Setting& s : settings) {
+              Options o = base;
+              o.prefetch_bytes = s.prefetch;
+              o.pass1_rows = s.pass1;
+              o.pass2_rows = s.pass2;
+              o.overlap_passes = s.overlap;
+              o.row_streams = s.streams;
+              const std::vector<float> y = RunForward(hb, T, c, o, pool);
+              // memcmp: bit for bit (NaN-safe, -0 vs +0 distinguished).
+              EXPECT_EQ(std::memcmp(y.data(), y0.data(), y.size() * sizeof(float)), 0)
+                  << common::WeightFormatName(f) << " " << target << " T=" << T
+                  << " dedup=" << dedup << " bf16_dot=" << dot << " prefetch=" << s.prefetch
+                  << " pass1=" << s.pass1 << " pass2=" << s.pass2 << " overlap=" << s.overlap
+                  << " streams=" << s.streams;
+            }
           }
         }
       }

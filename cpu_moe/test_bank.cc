@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 
 #include "common/formats.h"
@@ -168,6 +169,17 @@ void EmulateActQuant(const float* x, size_t n, double* out, double* step) {
   }
 }
 
+void EmulateActBf16(const float* x, size_t n, double* out, double* step) {
+  for (size_t i = 0; i < n; ++i) {
+    const float r = common::Bf16ToFloat(common::FloatToBf16(x[i]));
+    const bool denormal = r != 0.0f && std::fabs(r) < std::numeric_limits<float>::min();
+    out[i] = denormal ? 0.0 : r;
+    int e = 0;
+    std::frexp(r, &e);  // |r| in [2^(e-1), 2^e): bf16's 8 significant bits give ulp 2^(e-8)
+    if (step) step[i] = r == 0.0f ? 0.0 : std::ldexp(1.0, e - 8);
+  }
+}
+
 void ReferenceForward(const HostBank& hb, int num_tokens, int top_k,
                       const std::vector<int32_t>& ids, const std::vector<float>& weights,
                       const std::vector<float>& x, const Options& options,
@@ -176,6 +188,8 @@ void ReferenceForward(const HostBank& hb, int num_tokens, int top_k,
   const ExpertBank& b = hb.bank;
   const size_t H = b.hidden, I = b.intermediate;
   const bool quant = emulate_act_quant && IsQuant(b.format);
+  const bool bf16_round =
+      emulate_act_quant && b.format == WeightFormat::kBf16 && options.bf16_dot_product;
   y->assign(num_tokens * H, 0.0);
   abs_scale->assign(num_tokens * H, 0.0);
   flip->assign(num_tokens * H, 0.0);
@@ -185,6 +199,8 @@ void ReferenceForward(const HostBank& hb, int num_tokens, int top_k,
     const float* xt = x.data() + t * H;
     if (quant) {
       EmulateActQuant(xt, H, xq.data(), nullptr);
+    } else if (bf16_round) {
+      EmulateActBf16(xt, H, xq.data(), nullptr);
     } else {
       for (size_t i = 0; i < H; ++i) xq[i] = xt[i];
     }
@@ -211,6 +227,7 @@ void ReferenceForward(const HostBank& hb, int num_tokens, int top_k,
         hf[r] = static_cast<float>(v);
       }
       if (quant) EmulateActQuant(hf.data(), I, h.data(), hstep.data());
+      if (bf16_round) EmulateActBf16(hf.data(), I, h.data(), hstep.data());
       const float* dn = hb.down_f.data() + static_cast<size_t>(e) * H * I;
       for (size_t r = 0; r < H; ++r) {
         double s = 0, a = 0, mx = 0;

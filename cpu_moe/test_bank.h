@@ -48,12 +48,19 @@ HostBank MakeRandomBank(common::WeightFormat format, int num_experts, int hidden
 // element's block scale.
 void EmulateActQuant(const float* x, size_t n, double* out, double* step);
 
+// The activation rounding of the bf16 dot product path (Options::bf16_dot_product): each element
+// rounded to bf16 (common::FloatToBf16), bf16 denormals as zero (vdpbf16ps's DAZ); `step` gets
+// one bf16 ulp of each element (what a rounding flip moves it by).
+void EmulateActBf16(const float* x, size_t n, double* out, double* step);
+
 // float64 reference of Forward on bank.gate_up_f / down_f (must be kept).
-// emulate_act_quant: quantize x and h as the kernels do for quantized formats (so only
-// accumulation order separates kernel and reference). Fills y [T, H] (rows without routes 0),
+// emulate_act_quant: quantize x and h as the kernels do (so only accumulation order separates
+// kernel and reference): int8 for quantized formats (EmulateActQuant); for bf16 banks, bf16
+// rounding (EmulateActBf16) when options.bf16_dot_product, which the caller sets to what the run
+// it compares did (ForwardStats::bf16_dot_product). Fills y [T, H] (rows without routes 0),
 // abs_scale [T, H] = sum over routes |w| sum_i |D_ji h_i| (the magnitude the rounding acts on) and
-// flip [T, H] = sum over routes |w| max_i |D_ji| * step(h_i) (what one int8 rounding flip of h
-// can move the output by; 0 unless emulating).
+// flip [T, H] = sum over routes |w| max_i |D_ji| * step(h_i) (what one rounding flip of h can move
+// the output by; 0 unless emulating).
 void ReferenceForward(const HostBank& hb, int num_tokens, int top_k,
                       const std::vector<int32_t>& ids, const std::vector<float>& weights,
                       const std::vector<float>& x, const Options& options,

@@ -28,6 +28,10 @@ struct ForwardPlan {
   DType x_dtype;
   void* y;
   DType y_dtype;
+  // bf16 bank on the AVX3_DL target of a CPU with AVX512_BF16, and options->bf16_dot_product:
+  // the row kernels use vdpbf16ps against bf16-rounded activations. Decided once per call by
+  // Forward; the other targets never see it set.
+  bool bf16_dot_product = false;
 
   // Valid routes, in token order: route r is token route_token[r], weight route_weight[r].
   std::vector<int> route_token;
