@@ -124,11 +124,11 @@ struct Options {
   // valid setting, only the speed changes). Forward rejects values out of range. kAuto picks the
   // per-format values measured best on the GPU machine's 16-core host (sweep of 2026-11-30,
   // benchmarks/host_sweep_h200host_2026-11-30.md, then side-by-side runs of
-  // benchmarks/h200host_tuning_2026-11-30_session2.md): bf16 prefetches 4096 bytes ahead with
-  // 16 rows per item (bf16 T=1 99 -> 113 GB/s over 1024 bytes); fp8 2048 bytes with 64 rows
-  // (2-9% over 4096 / 16); the 4-bit formats 1024 bytes (four times as many rows of their
-  // smaller rows) with 64 rows per item (q4_0 T=1 80 -> 88, nvfp4 78 -> 87 GB/s over 16 rows).
-  // Pass 2 takes 128 rows per item in every format.
+  // benchmarks/h200host_tuning_2026-11-30_session2.md, then with the session-3 kernels
+  // benchmarks/h200host_tuning_2026-11-30_session3.md): bf16 prefetches 4096 bytes ahead, fp8
+  // 2048 bytes, the 4-bit formats 1024 bytes (four times as many rows of their smaller rows);
+  // pass 1 takes 64 gate rows per item (bf16, fp8) or 128 (4-bit formats), pass 2 128 rows
+  // (bf16, fp8) or 256 (4-bit formats).
   static constexpr int kAuto = -1;
   // Bytes ahead of the current position that the row kernels prefetch in the weight stream (and
   // how much of the next row / expert's rows is prefetched up front). 0 turns software prefetch
@@ -144,7 +144,8 @@ struct Options {
   // Weight rows each core reads at once (2 or 4): in pass 1 a gate row with its up row, or two
   // such pairs (rows r and r + n/2 of an item's n); in pass 2 row pairs p, p + n/2 of a block,
   // or quadruples p, p + n/4, p + n/2, p + 3n/4. More concurrent streams keep more bytes in
-  // flight per core; each row keeps its own accumulators, so y is the same either way.
+  // flight per core; each row keeps its own accumulators, so y is the same either way. kAuto:
+  // four for experts with at most two routes in the int8 formats, two otherwise.
   int row_streams = kAuto;
 
   // Options with the environment's switches applied, read now (never cached):
