@@ -46,9 +46,6 @@ HWY_BEFORE_NAMESPACE();
 // compiled into these instructions from: the compiled AVX3_DL code holds AVX512_BF16
 // instructions only where Bf16DotRows<..., true> is inlined (checked with objdump).
 #pragma GCC target("avx512bf16")
-// AMX tiles (tdpbf16ps) likewise run only when Forward found AMX-TILE and AMX-BF16 and Linux
-// granted the tile state (ForwardPlan::amx_min_routes > 0).
-#pragma GCC target("amx-tile,amx-bf16")
 #endif
 namespace moe {
 namespace cpu_moe {
@@ -985,94 +982,6 @@ HWY_INLINE void Fp8DotChunk(const Fp8Decoder& dec, const uint8_t* const* w, size
 }
 #endif
 
-#if HWY_TARGET == HWY_AVX3_DL
-// AMX for bf16 experts with many routes (ForwardPlan::amx_min_routes). One tdpbf16ps multiplies
-// an A tile of kAmxRows weight rows x 32 columns (read straight from the weight matrix, row
-// pitch as stride) by a B tile of 16 routes' activations (16 rows of 16 bf16 pairs, packed per
-// call by AmxPackB) into a C tile of kAmxRows x 16 fp32 sums, so the work per weight byte no
-// longer grows with the routes: vdpbf16ps does one instruction per 32 weights per route, AMX one
-// per 8 rows x 32 weights for up to 16 routes. Each C element is its own chain of fp32 adds over
-// the columns, whatever rows share its tile, so results do not depend on the row blocking.
-constexpr int kAmxRows = 8;  // weight rows per tile: 8 rows of gate and 8 of up per core
-
-struct alignas(64) AmxTileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Tiles 0, 1: C (m x 16 fp32); 2, 3: A (m weight rows x 32 bf16); 4: B (16 x 16 bf16 pairs).
-HWY_INLINE void AmxConfigure(int m) {
-  AmxTileConfig c{};
-  c.palette = 1;
-  for (int t = 0; t < 4; ++t) {
-    c.rows[t] = static_cast<uint8_t>(m);
-    c.colsb[t] = 64;
-  }
-  c.rows[4] = 16;
-  c.colsb[4] = 64;
-  _tile_loadconfig(&c);
-}
-
-// B tiles of routes acts[0, nr) (nr <= 16, bf16 activations) over k columns: chunk c (columns
-// [32c, 32c + 32)) is 16 rows of 16 u32, row kk column n holding the bf16 pair
-// (x_n[32c + 2kk], x_n[32c + 2kk + 1]); the columns of absent routes are zero.
-HWY_INLINE void AmxPackB(const ActView* acts, int nr, size_t k, uint32_t* HWY_RESTRICT b) {
-  for (size_t c = 0; c < k / 32; ++c) {
-    uint32_t* t = b + 256 * c;
-    for (int n = 0; n < 16; ++n) {
-      if (n < nr) {
-        const uint32_t* src = reinterpret_cast<const uint32_t*>(acts[n].xb + 32 * c);
-        for (int kk = 0; kk < 16; ++kk) t[16 * kk + n] = src[kk];
-      } else {
-        for (int kk = 0; kk < 16; ++kk) t[16 * kk + n] = 0;
-      }
-    }
-  }
-}
-
-// out[j][i] = dot(row j of w, route i) for j < nrows rows of k bf16 each (contiguous, pitch k)
-// and the 16 routes packed in b; likewise out2 for w2 when it is not null (gate with up). Each
-// row is read once, kAmxRows rows (and as many of w2) at a time, 64 bytes per row per step,
-// software-prefetched 8 steps ahead within the row.
-HWY_INLINE void AmxDotRows(const uint16_t* w, const uint16_t* w2, size_t k, size_t nrows,
-                           const uint32_t* b, float (*out)[16], float (*out2)[16]) {
-  const size_t nch = k / 32;
-  const size_t pitch = k * sizeof(uint16_t);
-  int configured = 0;
-  for (size_t j0 = 0; j0 < nrows; j0 += kAmxRows) {
-    const int m = static_cast<int>(std::min<size_t>(kAmxRows, nrows - j0));
-    if (m != configured) {
-      AmxConfigure(m);
-      configured = m;
-    }
-    const uint16_t* a = w + j0 * k;
-    const uint16_t* a2 = w2 != nullptr ? w2 + j0 * k : nullptr;
-    _tile_zero(0);
-    _tile_zero(1);
-    for (size_t c = 0; c < nch; ++c) {
-      if (c + 8 < nch) {
-        for (int mm = 0; mm < m; ++mm) {
-          Pf(a + mm * k + 32 * (c + 8));
-          if (a2 != nullptr) Pf(a2 + mm * k + 32 * (c + 8));
-        }
-      }
-      _tile_loadd(4, b + 256 * c, 64);
-      _tile_loadd(2, a + 32 * c, pitch);
-      _tile_dpbf16ps(0, 2, 4);
-      if (a2 != nullptr) {
-        _tile_loadd(3, a2 + 32 * c, pitch);
-        _tile_dpbf16ps(1, 3, 4);
-      }
-    }
-    _tile_stored(0, out + j0, 64);
-    if (a2 != nullptr) _tile_stored(1, out2 + j0, 64);
-  }
-}
-#endif
-
 // AVX3_DL: the table decode above, 64 columns at a time; the weights are the e4m3 values
 // themselves, so the block scale goes on as stored. Other targets: fp8 e4m3 -> f32 through the
 // f16 bit pattern: sign to bit 15, exponent and mantissa to bits 13..7 gives an f16 of value
@@ -1397,35 +1306,9 @@ void ForwardFormat(ForwardPlan& plan) {
         hrow[i] = h.data() + route * I;
         urow[i] = u.data() + route * I;
       }
-      bool done = false;
-#if HWY_TARGET == HWY_AVX3_DL
-      if constexpr (kBf16Dot) {
-        if (plan.amx_min_routes > 0 && n >= plan.amx_min_routes) {
-          static thread_local std::vector<uint32_t> bbuf;
-          bbuf.resize(H / 32 * 256);
-          static thread_local float cg[Options::kMaxRowsPerItem][16];
-          static thread_local float cu[Options::kMaxRowsPerItem][16];
-          const uint16_t* wg = static_cast<const uint16_t*>(gate_up.weights) +
-                               (g.expert * 2 * I + r0) * H;
-          for (int s0 = 0; s0 < nc; s0 += 16) {
-            const int ns = std::min(16, nc - s0);
-            AmxPackB(acts + s0, ns, H, bbuf.data());
-            AmxDotRows(wg, wg + I * H, H, r1 - r0, bbuf.data(), cg, cu);
-            for (size_t j = 0; j < r1 - r0; ++j) {
-              for (int i = 0; i < ns; ++i) {
-                hrow[s0 + i][r0 + j] = cg[j][i];
-                urow[s0 + i][r0 + j] = cu[j][i];
-              }
-            }
-          }
-          _tile_release();
-          done = true;
-        }
-      }
-#endif
       // With four streams, gate and up rows of r and of r + half go together (rows [r0, r1)
       // split in two halves; an odd last row goes alone with its up row).
-      const size_t half = streams == 4 && !done ? (r1 - r0) / 2 : 0;
+      const size_t half = streams == 4 ? (r1 - r0) / 2 : 0;
       for (size_t r = r0; r < r0 + half; ++r) {
         const size_t rows[4] = {r, I + r, r + half, I + r + half};
         DotRowsMany<F, 4, kBf16Dot>(gate_up, g.expert, rows, acts, nc, out);
@@ -1436,7 +1319,7 @@ void ForwardFormat(ForwardPlan& plan) {
           urow[i][r + half] = us2[i];
         }
       }
-      for (size_t r = done ? r1 : r0 + 2 * half; r < r1; ++r) {
+      for (size_t r = r0 + 2 * half; r < r1; ++r) {
         // The gate and up rows of r together: one pass over the activations for both.
         const size_t rows[2] = {r, I + r};
         if constexpr (kFuseRows<F>) {
@@ -1495,27 +1378,6 @@ void ForwardFormat(ForwardPlan& plan) {
         dst[i] = part.data() + route * H;
         wt[i] = plan.route_weight[route];
       }
-#if HWY_TARGET == HWY_AVX3_DL
-      if constexpr (kBf16Dot) {
-        if (plan.amx_min_routes > 0 && n >= plan.amx_min_routes) {
-          static thread_local std::vector<uint32_t> bbuf;
-          bbuf.resize(I / 32 * 256);
-          static thread_local float cd[Options::kMaxRowsPerItem][16];
-          const uint16_t* wd = static_cast<const uint16_t*>(down.weights) +
-                               (g.expert * H + h0) * I;
-          for (int s0 = 0; s0 < nc; s0 += 16) {
-            const int ns = std::min(16, nc - s0);
-            AmxPackB(acts + s0, ns, I, bbuf.data());
-            AmxDotRows(wd, nullptr, I, h1 - h0, bbuf.data(), cd, nullptr);
-            for (size_t j = 0; j < h1 - h0; ++j) {
-              for (int i = 0; i < ns; ++i) dst[s0 + i][h0 + j] = wt[s0 + i] * cd[j][i];
-            }
-          }
-          _tile_release();
-          continue;
-        }
-      }
-#endif
       for (size_t p = 0; p < q; ++p) {
         const size_t rows[4] = {h0 + p, h0 + q + p, h0 + 2 * q + p, h0 + 3 * q + p};
         DotRowsMany<F, 4, kBf16Dot>(down, g.expert, rows, acts, nc, out);

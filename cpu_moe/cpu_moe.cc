@@ -2,9 +2,6 @@
 // are in cpu_moe-inl.h, compiled once per Highway target by foreach_target.h.
 #include "cpu_moe/cpu_moe.h"
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -86,22 +83,6 @@ bool CpuHasAvx512Bf16() {
 #if defined(__x86_64__) || defined(__i386__)
   static const bool has = __builtin_cpu_supports("avx512bf16");
   return has;
-#else
-  return false;
-#endif
-}
-
-// AMX with bf16 tiles: the CPU has AMX-TILE and AMX-BF16 and Linux grants this process the tile
-// data state (arch_prctl ARCH_REQ_XCOMP_PERM; without it the first tile instruction faults).
-// Asked once: the permission holds for the process's lifetime.
-bool AmxBf16Usable() {
-#if defined(__x86_64__) && defined(__linux__)
-  static const bool usable = [] {
-    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return usable;
 #else
   return false;
 #endif
@@ -325,10 +306,6 @@ absl::Status ValidateTuning(const Options& o) {
                                                    o.pass2_rows, " must be even in [2, ",
                                                    Options::kMaxRowsPerItem, "]"));
   }
-  if (o.amx_min_routes < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("amx_min_routes (MOE_CPU_AMX_MIN_ROUTES) = ",
-                                                   o.amx_min_routes, " must be >= 0"));
-  }
   if (o.row_streams != Options::kAuto && o.row_streams != 2 && o.row_streams != 4) {
     return absl::InvalidArgumentError(absl::StrCat("row_streams (MOE_CPU_ROW_STREAMS) = ",
                                                    o.row_streams, " must be 2, 4 or -1 (auto)"));
@@ -352,7 +329,6 @@ Options Options::FromEnv() {
   EnvFlag("MOE_CPU_BLOCK_LANE", &o.block_lane);
   EnvFlag("MOE_CPU_DEBUG", &o.debug);
   EnvFlag("MOE_CPU_BF16_DOT", &o.bf16_dot_product);
-  EnvInt("MOE_CPU_AMX_MIN_ROUTES", &o.amx_min_routes);
   if (const char* t = std::getenv("MOE_CPU_MAX_TARGET"); t != nullptr) o.max_target = t;
   if (const char* v = std::getenv("MOE_CPU_ONEDNN_MIN_TOKENS"); v != nullptr && *v != '\0') {
     o.onednn_min_tokens_per_expert = std::max(0, std::atoi(v));
@@ -406,10 +382,6 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   plan.y_dtype = y_dtype;
   plan.bf16_dot_product = bank.format == WeightFormat::kBf16 && options.bf16_dot_product &&
                           target == HWY_AVX3_DL && CpuHasAvx512Bf16();
-  plan.amx_min_routes =
-      plan.bf16_dot_product && resolved.amx_min_routes > 0 && AmxBf16Usable()
-          ? resolved.amx_min_routes
-          : 0;
   plan.token_route_begin.assign(num_tokens + 1, 0);
   for (int t = 0; t < num_tokens; ++t) {
     for (int j = 0; j < top_k; ++j) {
@@ -464,12 +436,6 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
     stats->target = target_name;
     stats->onednn_experts = onednn.experts;
     stats->bf16_dot_product = bf16_dot_ran;
-    stats->amx_experts = 0;
-    if (plan.amx_min_routes > 0) {
-      for (const internal::ExpertGroup& g : plan.groups) {
-        stats->amx_experts += g.end - g.begin >= plan.amx_min_routes;
-      }
-    }
   }
   if (options.debug) {
     std::fprintf(stderr,

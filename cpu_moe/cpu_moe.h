@@ -92,12 +92,6 @@ struct Options {
   // false: the plain layout (for comparison; results differ only by int32 -> fp32 rounding of
   // partial sums, within the format's tolerance).
   bool block_lane = true;
-  // bf16 with its bf16 dot product, on a CPU with AMX (AMX-TILE, AMX-BF16) that Linux lets this
-  // process use: experts with at least this many routes in a call are computed with AMX tiles
-  // (tdpbf16ps, 8 weight rows x 16 routes x 32 columns per instruction), the rest with
-  // vdpbf16ps. Same bf16-rounded activations; sums are accumulated in a different order, so y
-  // differs from the vdpbf16ps path by fp32 rounding. 0 turns AMX off.
-  int amx_min_routes = 8;
   // Print the reuse factor (routes / unique experts), the chosen target and whether bf16's dot
   // product ran to stderr per call.
   bool debug = false;
@@ -162,8 +156,7 @@ struct Options {
   //   MOE_CPU_ONEDNN_MIN_TOKENS=<n> sets onednn_min_tokens_per_expert (0: oneDNN off),
   //   MOE_CPU_PREFETCH_BYTES=<n>, MOE_CPU_PASS1_ROWS=<n>, MOE_CPU_PASS2_ROWS=<n>,
   //   MOE_CPU_ROW_STREAMS=<n> set prefetch_bytes, pass1_rows, pass2_rows, row_streams (-1:
-  //   kAuto; a value that is not an integer is kept as INT_MIN, which Forward rejects),
-  //   MOE_CPU_AMX_MIN_ROUTES=<n> sets amx_min_routes (0: AMX off).
+  //   kAuto; a value that is not an integer is kept as INT_MIN, which Forward rejects).
   static Options FromEnv();
 };
 
@@ -177,9 +170,6 @@ struct ForwardStats {
   // The GEMV kernels ran with the CPU's bf16 dot product on bf16-rounded activations (see
   // Options::bf16_dot_product); false when they used fp32 FMAs or did not run.
   bool bf16_dot_product = false;
-  // Work groups computed with AMX tiles (Options::amx_min_routes): experts with dedup, routes
-  // without it; 0 when AMX did not run.
-  int amx_experts = 0;
   // Wall time of the GEMV path's phases (for profiling; zero when no route took that path):
   // preparing x, pass 1 (gate_up), preparing h, pass 2 (down). The oneDNN part is not included.
   // With overlap_passes, pass 1 runs until its last item is done and includes preparing h

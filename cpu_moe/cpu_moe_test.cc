@@ -33,9 +33,6 @@
 // reference, the bf16 roundings of x and h (relative error at most 2^-9, RMS about 0.16% per
 // element; h takes those of gate and up as well) give a relative Frobenius error of about 0.3%,
 // checked at <= 1%.
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -83,12 +80,6 @@ std::vector<float> RandomX(int T, int H, std::mt19937_64& rng) {
 // bf16 dot product against the reference that rounds its activations alike.
 constexpr double kRelFp32 = 2e-4;
 constexpr double kRelBf16Dot = 1e-5;
-// AMX (tdpbf16ps): each output is one chain of fp32 adds over all I columns' products (2 adds per
-// bf16 pair) instead of 16 lanes and a tree, then the route weight and top_k - 1 route adds:
-// with I = 288, k = 4, 288 + 1 + 3 = 292 roundings of at most 2^-24 of partial sums bounded by
-// abs_scale, 1.74e-5 * abs_scale in the worst case (the 1e-5 above holds in practice, but is not
-// a bound here); checked at 4e-5.
-constexpr double kRelAmx = 4e-5;
 
 // max over elements of |y - ref| / tol (<= 1 passes), tol = rel * abs_scale + flip + 1e-7.
 double WorstRatio(const std::vector<float>& y, const std::vector<double>& ref,
@@ -110,13 +101,6 @@ bool IsQuant(WeightFormat f) {
 // Whether a bf16 bank at `target` with Options::bf16_dot_product runs the CPU's bf16 dot product.
 bool Bf16DotRunsAt(const std::string& target) {
   return target == "AVX3_DL" && __builtin_cpu_supports("avx512bf16");
-}
-
-// Whether this process may use AMX bf16 tiles (CPU features and the kernel's permission, asked
-// the way cpu_moe asks: a second request is granted like the first).
-bool AmxUsable() {
-  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
-  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
 }
 
 // Reference options matching a run: the bf16 activation rounding emulated where the run did it.
@@ -161,17 +145,14 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
         ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, exact, false, &plain, &s2, &f2);
         for (const std::string& target : AvailableTargets()) {
           for (bool dedup : {false, true}) {
-            // bf16: its bf16 dot product off, on without AMX, on with AMX for every expert;
-            // int8 formats: both layouts.
-            for (int alt = 0; alt < 3; ++alt) {
-              const bool dot = bf16 && alt > 0, block_lane = alt == 0;
-              if (alt > 0 && !bf16 && !IsQuant(f)) continue;
-              if (alt == 2 && !bf16) continue;
+            // bf16: its bf16 dot product on and off; int8 formats: both layouts.
+            for (bool alt : {false, true}) {
+              const bool dot = bf16 && alt, block_lane = !alt;
+              if (alt && !bf16 && !IsQuant(f)) continue;
               Options o;
               o.dedup = dedup;
               o.max_target = target;
               o.bf16_dot_product = dot;
-              o.amx_min_routes = alt == 2 ? 1 : 0;
               o.block_lane = block_lane;
               o.onednn_min_tokens_per_expert = 0;  // GEMV kernels (oneDNN: onednn_experts_test)
               std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
@@ -181,18 +162,12 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
               const std::string what = absl::StrCat(
                   std::string(common::WeightFormatName(f)), " T=", T, " skewed=", skewed,
                   " target=", target, " dedup=", dedup, " bf16_dot=", dot,
-                  " amx_min_routes=", o.amx_min_routes, " block_lane=", block_lane);
+                  " block_lane=", block_lane);
               EXPECT_EQ(st.target, target) << what;
               EXPECT_EQ(st.bf16_dot_product, dot && Bf16DotRunsAt(target)) << what;
-              // AMX runs for every expert where the CPU and the OS allow it, else never.
-              if (alt == 2 && st.bf16_dot_product && AmxUsable()) {
-                EXPECT_EQ(st.amx_experts, dedup ? st.unique_experts : st.routes) << what;
-              } else {
-                EXPECT_EQ(st.amx_experts, 0) << what;
-              }
               const int v = st.bf16_dot_product ? 1 : 0;
-              const double tol = st.amx_experts > 0 ? kRelAmx : v ? kRelBf16Dot : kRelFp32;
-              EXPECT_LE(WorstRatio(y, ref[v], scale[v], flip[v], tol), 1.0) << what;
+              EXPECT_LE(WorstRatio(y, ref[v], scale[v], flip[v], v ? kRelBf16Dot : kRelFp32), 1.0)
+                  << what;
               const double rel = RelFrobenius(y, plain);
               EXPECT_LE(rel, IsQuant(f) ? 0.02 : st.bf16_dot_product ? 0.01 : 1e-5) << what;
             }

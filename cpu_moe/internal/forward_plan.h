@@ -32,9 +32,6 @@ struct ForwardPlan {
   // the row kernels use vdpbf16ps against bf16-rounded activations. Decided once per call by
   // Forward; the other targets never see it set.
   bool bf16_dot_product = false;
-  // With bf16_dot_product: experts with at least this many routes run through AMX tiles
-  // (tdpbf16ps) instead; 0 when the CPU or the OS does not allow AMX or options turn it off.
-  int amx_min_routes = 0;
 
   // Valid routes, in token order: route r is token route_token[r], weight route_weight[r].
   std::vector<int> route_token;
