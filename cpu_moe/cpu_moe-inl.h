@@ -1229,21 +1229,10 @@ void ForwardFormat(ForwardPlan& plan) {
     return IsQuant<F>() && routes <= 2 ? 4 : 2;
   };
 
-  // The block-lane layout pays where an expert has routes to share its row decode with (its
-  // two permutes per row replace one conversion, multiply and FMA per route); with one route
-  // per expert everywhere (T=1) the plain layout ran 1.5-2.3% faster side by side on the host.
-  // Decided from the routing alone (an expert with two routes or more, whether or not dedup
-  // groups them), so every tuning setting and both dedup modes use the same layout.
-  bool shared_expert = false;
-  {
-    std::vector<int> per_expert(bank.num_experts, 0);
-    for (int e : plan.route_expert) shared_expert |= ++per_expert[e] >= 2;
-  }
-  const bool block_lane = opt.block_lane && shared_expert;
   const MatrixRef gate_up{bank.gate_up_weights, bank.gate_up_scales, bank.gate_up_global_scales,
-                          2 * I, H, prefetch, block_lane};
+                          2 * I, H, prefetch, opt.block_lane};
   const MatrixRef down{bank.down_weights, bank.down_scales, bank.down_global_scales, H, I,
-                       prefetch, block_lane};
+                       prefetch, opt.block_lane};
 
   using Clock = std::chrono::steady_clock;
   auto lap = [&plan, t = Clock::now()](int phase) mutable {
@@ -1260,7 +1249,7 @@ void ForwardFormat(ForwardPlan& plan) {
       active_tokens.push_back(static_cast<int>(t));
     }
   }
-  ActSet<F, kBf16Dot> xacts(active_tokens.size(), H, block_lane);
+  ActSet<F, kBf16Dot> xacts(active_tokens.size(), H, opt.block_lane);
   {
     std::vector<std::vector<float>> tmp(workers);
     pool.ParallelFor(active_tokens.size(), [&](uint64_t i, int worker) {
@@ -1283,7 +1272,7 @@ void ForwardFormat(ForwardPlan& plan) {
   // Pass 1: h[route, I] = act(gate x, up x); the up dots go to u first.
   common::AlignedBuffer<float> h(std::max<size_t>(1, R * I));
   common::AlignedBuffer<float> u(std::max<size_t>(1, R * I));
-  ActSet<F, kBf16Dot> hacts(R, I, block_lane);
+  ActSet<F, kBf16Dot> hacts(R, I, opt.block_lane);
   const size_t G = plan.groups.size();
   const size_t nrb = (I + pass1_rows - 1) / pass1_rows;
   const size_t row_bytes1 = RowBytes(F, H);

@@ -89,8 +89,6 @@ struct Options {
   // Quantized formats (q4_0, nvfp4, mxfp4) on the 512-bit targets (AVX3, AVX3_DL): dot each
   // 128-byte chunk of a row in a block-lane order, in which every int32 lane stays within one
   // weight block, so a route converts and scales once per 256 weights instead of once per 64.
-  // Used in calls where some expert has two routes or more (with one route per expert the plain
-  // layout is a little faster).
   // false: the plain layout (for comparison; results differ only by int32 -> fp32 rounding of
   // partial sums, within the format's tolerance).
   bool block_lane = true;
