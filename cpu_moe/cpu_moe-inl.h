@@ -46,6 +46,9 @@ HWY_BEFORE_NAMESPACE();
 // compiled into these instructions from: the compiled AVX3_DL code holds AVX512_BF16
 // instructions only where Bf16DotRows<..., true> is inlined (checked with objdump).
 #pragma GCC target("avx512bf16")
+// AMX tiles (tdpbf16ps) likewise run only when Forward found AMX-TILE and AMX-BF16 and Linux
+// granted the tile state (ForwardPlan::amx).
+#pragma GCC target("amx-tile,amx-bf16")
 #endif
 namespace moe {
 namespace cpu_moe {
@@ -63,7 +66,8 @@ constexpr int kTile = 8;
 template <common::WeightFormat F, bool kBf16Dot = false>
 constexpr int TileOf() {
   return F == common::WeightFormat::kQ4_0 || F == common::WeightFormat::kMxfp4 ||
-                 F == common::WeightFormat::kNvfp4 || kBf16Dot
+                 F == common::WeightFormat::kNvfp4 ||
+                 (kBf16Dot && F == common::WeightFormat::kBf16)
              ? 8
              : 4;
 }
@@ -130,6 +134,19 @@ HWY_INLINE constexpr size_t BlockLaneBytes(size_t nbytes, bool enabled) {
 HWY_INLINE constexpr size_t BlockLaneBytes(size_t, bool) { return 0; }
 #endif
 
+// fp8 by the bf16 dot product (vdpbf16ps, AMX): the table decode (Fp8Decoder) yields the bf16
+// weights of a 64-column chunk as two vectors of 32, position 32b + 8a + i (a < 4, b < 2,
+// i < 8) holding column 16a + 8b + i; the activations are laid out likewise, so that each u32
+// lane pairs the same two columns on both sides. Column jj of a chunk -> its position:
+HWY_INLINE constexpr size_t Fp8Pos(size_t jj) {
+  return 32 * ((jj >> 3) & 1) + 8 * (jj >> 4) + (jj & 7);
+}
+// u16 per bf16 activation vector of length k (fp8's chunks are whole, zero-padded).
+template <common::WeightFormat F>
+HWY_INLINE constexpr size_t Bf16PitchOf(size_t k) {
+  return F == common::WeightFormat::kFp8Block ? (k + 63) / 64 * 64 : k;
+}
+
 // Storage for n activation vectors of length k in format F's layout (kBf16Dot: bf16 rounded, for
 // the CPU's bf16 dot product).
 template <common::WeightFormat F, bool kBf16Dot = false>
@@ -140,7 +157,7 @@ class ActSet {
     if constexpr (IsQuant<F>()) {
       i8_ = std::make_unique<common::AlignedBuffer<int8_t>>(std::max<size_t>(1, n * 2 * k));
     } else if constexpr (kBf16Dot) {
-      u16_ = std::make_unique<common::AlignedBuffer<uint16_t>>(std::max<size_t>(1, n * k));
+      u16_ = std::make_unique<common::AlignedBuffer<uint16_t>>(std::max<size_t>(1, n * Bf16Pitch(k)));
     } else {
       f32_ = std::make_unique<common::AlignedBuffer<float>>(std::max<size_t>(1, n * k));
     }
@@ -151,7 +168,7 @@ class ActSet {
     if constexpr (IsQuant<F>()) {
       v.q = i8_->data() + i * 2 * k_;
     } else if constexpr (kBf16Dot) {
-      v.xb = u16_->data() + i * k_;
+      v.xb = u16_->data() + i * Bf16Pitch(k_);
     } else if constexpr (F == common::WeightFormat::kBf16) {
       v.xe = f32_->data() + i * k_;
       v.xo = v.xe + k_ / 2;
@@ -238,6 +255,15 @@ class ActSet {
           }
         }
       }
+    } else if constexpr (kBf16Dot && F == common::WeightFormat::kFp8Block) {
+      // fp8: the table decode's column order per 64-column chunk (Fp8Pos), a short last chunk
+      // padded with zeros.
+      uint16_t* xb = const_cast<uint16_t*>(v.xb);
+      for (size_t c = c0 / 64 * 64; c < c1; c += 64) {
+        for (size_t jj = 0; jj < 64; ++jj) {
+          xb[c + Fp8Pos(jj)] = c + jj < k_ ? common::FloatToBf16(x[c + jj]) : uint16_t{0};
+        }
+      }
     } else if constexpr (kBf16Dot) {
       uint16_t* xb = const_cast<uint16_t*>(v.xb);
       for (size_t j = c0; j < c1; ++j) xb[j] = common::FloatToBf16(x[j]);
@@ -280,6 +306,8 @@ class ActSet {
   size_t size() const { return n_; }
 
  private:
+  static constexpr size_t Bf16Pitch(size_t k) { return Bf16PitchOf<F>(k); }
+
   size_t k_;
   size_t n_;
   bool block_lane_;
@@ -982,14 +1010,413 @@ HWY_INLINE void Fp8DotChunk(const Fp8Decoder& dec, const uint8_t* const* w, size
 }
 #endif
 
+#if HWY_TARGET == HWY_AVX3_DL
+// ---------------------------------------------------------------------------------------------
+// AMX (ForwardPlan::amx): fp8 experts, and bf16 experts with many routes, through tdpbf16ps.
+//
+// One tdpbf16ps multiplies an A tile of m <= 16 weight rows x 32 bf16 columns by a B tile of the
+// routes' bf16 activations (16 rows of column pairs x nr <= 16 routes) into a C tile of m x nr
+// fp32 sums, so the work per weight byte no longer grows with the routes: vdpbf16ps (or fp8's
+// fp32 FMAs) does one instruction per 32 (16) weights per route, AMX one per 512 weights for up
+// to 16 routes. The weight rows are first decoded (fp8: the table decode above, exact) or copied
+// (bf16) 64 columns at a time into an L1 scratch from which the A tiles load: tile loads straight
+// from rows 2-4 KiB apart were latency-bound at 11-15 GB/s per core (session 3's attempt), the
+// scratch runs at 20-28 GB/s hot on the dev box whatever the routes (benchmarks/amx_notes.md).
+// Two row sets go together (pass 1: gate and up rows; pass 2: rows p and p + n/2 of a block), as
+// in the vector kernels, with their own C tiles.
+//
+// fp8 block scales: the m rows of a tile lie in one 128-row scale block (the caller splits there),
+// so a 128-column block's sums share one scale: C is stored and zeroed after each 128 columns and
+// added into fp32 accumulators times the scale, as Fp8DotRows does with its block totals.
+//
+// Each C element is its own chain of fp32 additions over the columns, whatever rows and routes
+// share its tile, so results do not depend on the row blocking or on the routes' grouping.
+
+// Tiles 0, 1: C of sets a, b (m x nr fp32); 2, 3: A of set a (halves 0 / 1 of a 64-column
+// chunk); 4, 5: A of set b; 6, 7: B halves (16 column pairs x nr).
+struct alignas(64) AmxTileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+HWY_INLINE void AmxConfigure(int m, int nr) {
+  AmxTileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 2; ++t) {
+    c.rows[t] = static_cast<uint8_t>(m);
+    c.colsb[t] = static_cast<uint16_t>(4 * nr);
+  }
+  for (int t = 2; t < 6; ++t) {
+    c.rows[t] = static_cast<uint8_t>(m);
+    c.colsb[t] = 64;
+  }
+  for (int t = 6; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = static_cast<uint16_t>(4 * nr);
+  }
+  _tile_loadconfig(&c);
+}
+
+// Packs the bf16 activations of routes acts[0, nr) (nr <= 16) over k columns (a multiple of 32)
+// into B rows: chunk c (columns [64c, 64c + 64)) is 32 rows of nr u32, row r column n holding
+// route n's u32 (bf16 pair) r of the chunk, in the activations' own order, which is the A tiles'
+// (fp8: the table decode's, Fp8Pos, zero-padded to whole chunks: kFp8Order; bf16: natural).
+// bf16's short last chunk (32 columns) has zero rows 16..31 (its A half 1 is zero too).
+template <bool kFp8Order>
+HWY_INLINE void AmxPackB(const ActView* acts, int nr, size_t k, uint32_t* HWY_RESTRICT b) {
+  const size_t nch = (k + 63) / 64;
+  for (size_t c = 0; c < nch; ++c) {
+    uint32_t* t = b + 32 * nr * c;
+    const int ndw = kFp8Order || c * 64 + 64 <= k ? 32 : 16;
+    if (ndw < 32) std::memset(t, 0, 32 * nr * sizeof(uint32_t));
+    for (int n = 0; n < nr; ++n) {
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(acts[n].xb + 64 * c);
+      for (int dd = 0; dd < ndw; ++dd) t[dd * nr + n] = src[dd];
+    }
+  }
+}
+
+// Decodes (fp8) or copies (bf16) 64-column chunk c of a row of k columns into s (tile-ready:
+// chunk c at s + 64c, A half 0 at +0, half 1 at +32); a 32-column tail chunk fills half 0 and
+// zeroes half 1 (bf16) or fills positions i < 16 of both halves (fp8). Software prefetch pf
+// bytes ahead in the row (and on into the rows after it: the rows of a set are contiguous).
+template <bool kFp8>
+HWY_INLINE void AmxStageChunk(const Fp8Decoder& dec, const uint8_t* row, size_t c, size_t k,
+                              size_t pf, uint16_t* HWY_RESTRICT s) {
+  const bool tail = 64 * c + 64 > k;
+  if constexpr (kFp8) {
+    if (pf != 0) Pf(row + 64 * c + pf);
+    const __m512i code =
+        tail ? _mm512_zextsi256_si512(
+                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 64 * c)))
+             : _mm512_loadu_si512(row + 64 * c);
+    const __m512i lo = _mm512_permutex2var_epi8(dec.lo0, code, dec.lo1);
+    const __m512i hi = _mm512_ternarylogic_epi32(
+        _mm512_permutex2var_epi8(dec.hi0, code, dec.hi1), code, dec.sign, 0xF8);
+    _mm512_store_si512(s + 64 * c, _mm512_unpacklo_epi8(lo, hi));
+    _mm512_store_si512(s + 64 * c + 32, _mm512_unpackhi_epi8(lo, hi));
+  } else {
+    if (pf != 0) {
+      Pf(row + 128 * c + pf);
+      Pf(row + 128 * c + 64 + pf);
+    }
+    _mm512_store_si512(s + 64 * c, _mm512_loadu_si512(row + 128 * c));
+    _mm512_store_si512(s + 64 * c + 32,
+                       tail ? _mm512_setzero_si512() : _mm512_loadu_si512(row + 128 * c + 64));
+  }
+}
+
+// Stages a tile's rows (m rows of sets a and b) into the scratch sa / sb (row j at j * spitch)
+// row by row, each set as one sequential stream as the vector kernels read it (staging 64
+// columns of all 16 rows at a time, 32 streams per core, ran at 0.62 of DRAM on the dev box
+// against 0.85), in steps that the previous tile's instructions interleave with.
+template <bool kFp8>
+struct AmxStager {
+  const uint8_t* wa = nullptr;
+  const uint8_t* wb = nullptr;
+  size_t pitch = 0, k = 0, nch = 0, spitch = 0, pf = 0;
+  int m = 0;
+  size_t done = 0, total = 0;  // row-chunks (row j, chunk c at j * nch + c) staged / to stage
+  uint16_t* sa = nullptr;
+  uint16_t* sb = nullptr;
+
+  HWY_INLINE void Advance(const Fp8Decoder& dec, size_t count) {
+    const size_t end = std::min(total, done + count);
+    for (; done < end; ++done) {
+      const size_t j = done / nch, c = done % nch;
+      AmxStageChunk<kFp8>(dec, wa + j * pitch, c, k, pf, sa + j * spitch);
+      if (wb != nullptr) AmxStageChunk<kFp8>(dec, wb + j * pitch, c, k, pf, sb + j * spitch);
+    }
+  }
+};
+
+// acc[0, m * nr) (+)= scale * C tile `ct` (stored compact, row j route n at j * nr + n).
+#define MOE_AMX_FLUSH(ct, cbuf, acc, count, scale, first)                          \
+  do {                                                                           \
+    _tile_stored(ct, cbuf, 4 * nr);                                              \
+    _tile_zero(ct);                                                              \
+    const __m512 sv = _mm512_set1_ps(scale);                                     \
+    for (int v = 0; v < (count); v += 16) {                                      \
+      const __mmask16 mk = (count) - v >= 16 ? 0xFFFF : (1u << ((count) - v)) - 1; \
+      const __m512 cv = _mm512_maskz_load_ps(mk, cbuf + v);                      \
+      const __m512 prev = (first) ? _mm512_setzero_ps() : _mm512_maskz_load_ps(mk, acc + v); \
+      _mm512_mask_store_ps(acc + v, mk, _mm512_fmadd_ps(cv, sv, prev));          \
+    }                                                                            \
+  } while (0)
+
+// The tiles over staged rows sa / sb (m rows of sets a and b, sb null for one set): acc_a /
+// acc_b [m * nr] (row j route n at j * nr + n) = the rows' dots with the nr routes packed in
+// bpack. fp8 (kFp8): scale_a / scale_b per 128-column block; bf16: none. Meanwhile `next`
+// stages the following tile (nothing when it has nothing to stage), a proportional part per
+// chunk: the tile instructions run on the AMX unit beside the vector decode. The tiles must be
+// configured for (m, nr).
+template <bool kFp8>
+HWY_INLINE void AmxRowsTile(const uint16_t* sa, const uint16_t* sb, size_t spitch, int m,
+                            size_t k, const float* scale_a, const float* scale_b,
+                            const uint32_t* bpack, int nr, AmxStager<kFp8>& next,
+                            float* HWY_RESTRICT acc_a, float* HWY_RESTRICT acc_b) {
+  const Fp8Decoder dec;
+  alignas(64) float cbuf[256];
+  const size_t nch = (k + 63) / 64;
+  const int count = m * nr;
+  const bool two = sb != nullptr;
+  const size_t step = (next.total + nch - 1) / nch;
+  _tile_zero(0);
+  _tile_zero(1);
+  bool first = true;
+  const size_t stride = 2 * spitch;
+  for (size_t c = 0; c < nch; ++c) {
+    _tile_loadd(6, bpack + 32 * nr * c, 4 * nr);
+    _tile_loadd(7, bpack + 32 * nr * c + 16 * nr, 4 * nr);
+    _tile_loadd(2, sa + 64 * c, stride);
+    _tile_loadd(3, sa + 64 * c + 32, stride);
+    _tile_dpbf16ps(0, 2, 6);
+    _tile_dpbf16ps(0, 3, 7);
+    if (two) {
+      _tile_loadd(4, sb + 64 * c, stride);
+      _tile_loadd(5, sb + 64 * c + 32, stride);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_dpbf16ps(1, 5, 7);
+    }
+    if constexpr (kFp8) {
+      // End of a 128-column scale block (or of the row).
+      if ((c & 1) == 1 || c + 1 == nch) {
+        const size_t blk = c / 2;
+        MOE_AMX_FLUSH(0, cbuf, acc_a, count, scale_a[blk], first);
+        if (two) MOE_AMX_FLUSH(1, cbuf, acc_b, count, scale_b[blk], first);
+        first = false;
+      }
+    }
+    next.Advance(dec, step);
+  }
+  if constexpr (!kFp8) {
+    _tile_stored(0, acc_a, 4 * nr);
+    if (two) _tile_stored(1, acc_b, 4 * nr);
+  }
+}
+#undef MOE_AMX_FLUSH
+
+// The AMX state of a Forward call's work item: configures the tiles for (m, nr) when they
+// change, and releases them when the item is done.
+class AmxScope {
+ public:
+  AmxScope() = default;
+  AmxScope(const AmxScope&) = delete;
+  AmxScope& operator=(const AmxScope&) = delete;
+  ~AmxScope() {
+    if (m_ >= 0) _tile_release();
+  }
+  void Configure(int m, int nr) {
+    if (m == m_ && nr == nr_) return;
+    AmxConfigure(m, nr);
+    m_ = m;
+    nr_ = nr;
+  }
+
+ private:
+  int m_ = -1;
+  int nr_ = -1;
+};
+
+// A group's packed B (AmxGroupB): its n routes in subgroups of 16, subgroup s (routes
+// [16s, 16s + nr)) at dword 32 * nch * 16s, laid out by AmxPackB with nr columns (nch: 64-column
+// chunks of the contraction dimension).
+HWY_INLINE size_t AmxSubgroupOffset(size_t nch, int s0) { return 32 * nch * s0; }
+
+// Packs routes acts[0, n) of a group (any n) over k columns into b (n * 32 * nch dwords).
+template <bool kFp8Order>
+HWY_INLINE void AmxPackGroup(const ActView* acts, int n, size_t k, uint32_t* HWY_RESTRICT b) {
+  const size_t nch = (k + 63) / 64;
+  for (int s0 = 0; s0 < n; s0 += 16) {
+    AmxPackB<kFp8Order>(acts + s0, std::min(16, n - s0), k, b + AmxSubgroupOffset(nch, s0));
+  }
+}
+
+// Zeroes a short last chunk (k % 64 == 32) of a group whose B is then written element by
+// element (AmxPutBf16): the rows that hold no column stay zero.
+HWY_INLINE void AmxZeroTail(int n, size_t k, uint32_t* HWY_RESTRICT b) {
+  if (k % 64 == 0) return;
+  const size_t nch = (k + 63) / 64;
+  for (int s0 = 0; s0 < n; s0 += 16) {
+    const int nr = std::min(16, n - s0);
+    std::memset(b + AmxSubgroupOffset(nch, s0) + 32 * nr * (nch - 1), 0,
+                32 * nr * sizeof(uint32_t));
+  }
+}
+
+// Writes bf16(v[j]) for columns j in [c0, c1) of route i (of a group of n routes) into the
+// group's packed B b over k columns, at the column's position (kFp8Order: Fp8Pos).
+template <bool kFp8Order>
+HWY_INLINE void AmxPutBf16(uint32_t* b, int n, size_t k, int i, size_t c0, size_t c1,
+                           const float* HWY_RESTRICT v) {
+  const size_t nch = (k + 63) / 64;
+  const int s0 = i / 16 * 16;
+  const int nr = std::min(16, n - s0);
+  uint16_t* t = reinterpret_cast<uint16_t*>(b + AmxSubgroupOffset(nch, s0));
+  for (size_t j = c0; j < c1; ++j) {
+    const size_t c = j / 64;
+    const size_t pos = kFp8Order ? Fp8Pos(j % 64) : j % 64;
+    t[2 * ((32 * c + pos / 2) * nr + (i - s0)) + (pos & 1)] = common::FloatToBf16(v[j]);
+  }
+}
+
+// Dots rows [r0, r1) of set a (rows a_row0 + (r - r0)) and, when b_row0 >= 0, the same rows of
+// set b (b_row0 + (r - r0)) of matrix m of expert e with a group's n routes, packed in bgroup
+// (AmxPackGroup): route i's dot of row offset j goes to `store(set, j, i, value)`.
+template <common::WeightFormat F, class Store>
+HWY_INLINE void AmxDotRows(const MatrixRef& mat, size_t e, size_t a_row0, long b_row0,
+                           size_t nrows, const uint32_t* bgroup, int n, const Store& store) {
+  constexpr bool kFp8 = F == common::WeightFormat::kFp8Block;
+  const size_t k = mat.cols;
+  const size_t pitch = kFp8 ? k : 2 * k;
+  const uint8_t* base = static_cast<const uint8_t*>(mat.weights) + e * mat.rows * pitch;
+  const size_t bcols = (k + common::kFp8BlockSize - 1) / common::kFp8BlockSize;
+  const size_t brows = (mat.rows + common::kFp8BlockSize - 1) / common::kFp8BlockSize;
+  const float* scales = kFp8 ? static_cast<const float*>(mat.scales) + e * brows * bcols : nullptr;
+  const size_t nch = (k + 63) / 64;
+  // u16 per scratch row: one 64-byte line more than the row, so that a tile's 16 rows fall into
+  // different L1 sets (rows 4 KiB apart all map to one set of the 12-way L1 and evict each other).
+  const size_t spitch = 64 * nch + 32;
+  // Two tiles' scratch (staged / being staged), each 16 rows of sets a and b: 256 KiB for
+  // k = 2048 bf16 columns, in L2.
+  static thread_local common::AlignedBuffer<uint16_t> scratch;
+  if (scratch.size() < 64 * spitch) scratch = common::AlignedBuffer<uint16_t>(64 * spitch);
+  alignas(64) float acc_a[256];
+  alignas(64) float acc_b[256];
+  const bool two = b_row0 >= 0;
+  // Rows of the tile at row offset j0: 16, or fewer where a set's 128-row scale block ends (fp8).
+  auto tile_rows = [&](size_t j0) {
+    size_t m = std::min<size_t>(16, nrows - j0);
+    if constexpr (kFp8) {
+      m = std::min(m, common::kFp8BlockSize - (a_row0 + j0) % common::kFp8BlockSize);
+      if (two) {
+        m = std::min(m, common::kFp8BlockSize -
+                            (static_cast<size_t>(b_row0) + j0) % common::kFp8BlockSize);
+      }
+    }
+    return m;
+  };
+  auto stager_for = [&](size_t j0, int buf) {
+    AmxStager<kFp8> st;
+    if (j0 >= nrows) return st;  // nothing to stage
+    st.m = static_cast<int>(tile_rows(j0));
+    st.wa = base + (a_row0 + j0) * pitch;
+    st.wb = two ? base + (static_cast<size_t>(b_row0) + j0) * pitch : nullptr;
+    st.pitch = pitch;
+    st.k = k;
+    st.nch = nch;
+    st.spitch = spitch;
+    st.pf = mat.prefetch;
+    st.total = static_cast<size_t>(st.m) * nch;
+    st.sa = scratch.data() + buf * 32 * spitch;
+    st.sb = st.sa + 16 * spitch;
+    return st;
+  };
+  const Fp8Decoder dec;
+  AmxScope amx;
+  for (int s0 = 0; s0 < n; s0 += 16) {
+    const int nr = std::min(16, n - s0);
+    const uint32_t* bpack = bgroup + AmxSubgroupOffset(nch, s0);
+    AmxStager<kFp8> cur = stager_for(0, 0);
+    cur.Advance(dec, cur.total);
+    int buf = 0;
+    for (size_t j0 = 0; j0 < nrows;) {
+      const size_t m = static_cast<size_t>(cur.m);
+      AmxStager<kFp8> next = stager_for(j0 + m, buf ^ 1);
+      amx.Configure(cur.m, nr);
+      const size_t ra = a_row0 + j0, rb = two ? static_cast<size_t>(b_row0) + j0 : 0;
+      AmxRowsTile<kFp8>(cur.sa, two ? cur.sb : nullptr, spitch, cur.m, k,
+                        kFp8 ? scales + (ra / common::kFp8BlockSize) * bcols : nullptr,
+                        kFp8 && two ? scales + (rb / common::kFp8BlockSize) * bcols : nullptr,
+                        bpack, nr, next, acc_a, acc_b);
+      next.Advance(dec, next.total);  // whatever the interleaving left
+      for (size_t j = 0; j < m; ++j) {
+        for (int i = 0; i < nr; ++i) {
+          store(0, j0 + j, s0 + i, acc_a[j * nr + i]);
+          if (two) store(1, j0 + j, s0 + i, acc_b[j * nr + i]);
+        }
+      }
+      j0 += m;
+      cur = next;
+      buf ^= 1;
+    }
+  }
+}
+#endif
+
+#if HWY_TARGET == HWY_AVX3_DL
+// fp8 by the CPU's bf16 dot product (kBf16Dot): the table decode's two vectors of 32 bf16
+// weights per 64 columns go straight into vdpbf16ps against the bf16 activations in the same
+// order (Fp8Pos, ActSet): 2 instructions per route per 64 columns instead of 4 FMAs, and no
+// widening of the weights to f32. Each 128-column block's sums are scaled into the totals, as
+// above. A short last chunk (32 columns) decodes zero-extended codes: its upper positions hold
+// +0 weights against the activations' zero padding.
+template <int NR, int NT>
+HWY_INLINE void Fp8DotRowsBf16(const uint8_t* const* w, const float* const* scale_row,
+                               size_t cols, size_t pf, const ActView* acts,
+                               float (*HWY_RESTRICT sums)[kTile]) {
+  const Fp8Decoder dec;
+  __m512 total[NR][NT];
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int t = 0; t < NT; ++t) total[rr][t] = _mm512_setzero_ps();
+  }
+  for (size_t c0 = 0; c0 < cols; c0 += common::kFp8BlockSize) {
+    const size_t c1 = std::min(cols, c0 + common::kFp8BlockSize);
+    __m512 acc[NR][NT];
+    for (int rr = 0; rr < NR; ++rr) {
+      for (int t = 0; t < NT; ++t) acc[rr][t] = _mm512_setzero_ps();
+    }
+    for (size_t c = c0; c < c1; c += 64) {
+      __m512i wv[NR][2];
+      for (int rr = 0; rr < NR; ++rr) {
+        if (pf != 0) Pf(w[rr] + c + pf);
+        const __m512i code =
+            c + 64 <= c1 ? _mm512_loadu_si512(w[rr] + c)
+                         : _mm512_zextsi256_si512(
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[rr] + c)));
+        const __m512i lo = _mm512_permutex2var_epi8(dec.lo0, code, dec.lo1);
+        const __m512i hi = _mm512_ternarylogic_epi32(
+            _mm512_permutex2var_epi8(dec.hi0, code, dec.hi1), code, dec.sign, 0xF8);
+        wv[rr][0] = _mm512_unpacklo_epi8(lo, hi);
+        wv[rr][1] = _mm512_unpackhi_epi8(lo, hi);
+      }
+      for (int t = 0; t < NT; ++t) {
+        const __m512i x0 = _mm512_loadu_si512(acts[t].xb + c);
+        const __m512i x1 = _mm512_loadu_si512(acts[t].xb + c + 32);
+        for (int rr = 0; rr < NR; ++rr) {
+          acc[rr][t] = _mm512_dpbf16_ps(acc[rr][t], (__m512bh)wv[rr][0], (__m512bh)x0);
+          acc[rr][t] = _mm512_dpbf16_ps(acc[rr][t], (__m512bh)wv[rr][1], (__m512bh)x1);
+        }
+      }
+    }
+    for (int rr = 0; rr < NR; ++rr) {
+      const __m512 s = _mm512_set1_ps(scale_row[rr][c0 / common::kFp8BlockSize]);
+      for (int t = 0; t < NT; ++t) total[rr][t] = _mm512_fmadd_ps(acc[rr][t], s, total[rr][t]);
+    }
+  }
+  const hn::ScalableTag<float> df;
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int t = 0; t < NT; ++t) {
+      sums[rr][t] += hn::GetLane(hn::SumOfLanes(df, hn::Vec<decltype(df)>{total[rr][t]}));
+    }
+  }
+}
+#endif
+
 // AVX3_DL: the table decode above, 64 columns at a time; the weights are the e4m3 values
 // themselves, so the block scale goes on as stored. Other targets: fp8 e4m3 -> f32 through the
 // f16 bit pattern: sign to bit 15, exponent and mantissa to bits 13..7 gives an f16 of value
 // e4m3 / 256 (subnormals included), which F16C widens exactly (hence 256 on the block scale).
-template <int NR, int NT>
+template <int NR, int NT, bool kBf16Dot = false>
 HWY_INLINE void Fp8DotRows(const uint8_t* const* w, const float* const* scale_row, size_t cols,
                            size_t pf, const ActView* acts, float (*HWY_RESTRICT sums)[kTile]) {
 #if HWY_TARGET == HWY_AVX3_DL
+  if constexpr (kBf16Dot) {
+    return Fp8DotRowsBf16<NR, NT>(w, scale_row, cols, pf, acts, sums);
+  }
   const Fp8Decoder dec;
   __m512 total[NR][NT];
   for (int rr = 0; rr < NR; ++rr) {
@@ -1104,7 +1531,7 @@ HWY_INLINE void DotRowsN(const MatrixRef& m, size_t e, const size_t* r, const Ac
       scale_row[rr] = static_cast<const float*>(m.scales) + e * brows * bcols +
                       (r[rr] / common::kFp8BlockSize) * bcols;
     }
-    Fp8DotRows<NR, NT>(w, scale_row, k, m.prefetch, acts, sums);
+    Fp8DotRows<NR, NT, kBf16Dot>(w, scale_row, k, m.prefetch, acts, sums);
   }
 }
 
@@ -1228,6 +1655,17 @@ void ForwardFormat(ForwardPlan& plan) {
     if (opt.row_streams != Options::kAuto) return opt.row_streams;
     return IsQuant<F>() && routes <= 2 ? 4 : 2;
   };
+  // AMX (ForwardPlan::amx): experts with at least amx_min_routes routes.
+  auto amx_for = [&plan](int routes) {
+    if constexpr (!kBf16Dot || (F != common::WeightFormat::kFp8Block &&
+                                F != common::WeightFormat::kBf16)) {
+      (void)plan;
+      (void)routes;
+      return false;
+    } else {
+      return plan.amx && routes >= plan.amx_min_routes;
+    }
+  };
 
   const MatrixRef gate_up{bank.gate_up_weights, bank.gate_up_scales, bank.gate_up_global_scales,
                           2 * I, H, prefetch, opt.block_lane};
@@ -1267,6 +1705,35 @@ void ForwardFormat(ForwardPlan& plan) {
       xacts.Prepare(i, xr);
     });
   }
+  // AMX groups' activations, packed once per call for their tiles (AmxPackGroup): x for pass 1,
+  // and h for pass 2, which the pass-1 items write as they finish their rows (AmxPutBf16). Route
+  // columns: amx_col[g] to amx_col[g + 1] (0 wide for the other groups).
+  std::vector<size_t> amx_col(plan.groups.size() + 1, 0);
+  for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
+    const int n = plan.groups[gi].end - plan.groups[gi].begin;
+    amx_col[gi + 1] = amx_col[gi] + (amx_for(n) ? n : 0);
+  }
+  const size_t nch_h = (H + 63) / 64, nch_i = (I + 63) / 64;
+  std::vector<uint32_t> amx_bx(amx_col.back() * 32 * nch_h);
+  std::vector<uint32_t> amx_bh(amx_col.back() * 32 * nch_i);
+#if HWY_TARGET == HWY_AVX3_DL
+  if constexpr (kBf16Dot) {
+    if (amx_col.back() > 0) {
+      constexpr bool kFp8Order = F == common::WeightFormat::kFp8Block;
+      pool.ParallelFor(plan.groups.size(), [&](uint64_t gi, int) {
+        if (amx_col[gi + 1] == amx_col[gi]) return;
+        const internal::ExpertGroup& g = plan.groups[gi];
+        const int n = g.end - g.begin;
+        std::vector<ActView> acts(n);
+        for (int i = 0; i < n; ++i) {
+          acts[i] = xacts.View(token_slot[plan.route_token[plan.group_routes[g.begin + i]]]);
+        }
+        AmxPackGroup<kFp8Order>(acts.data(), n, H, amx_bx.data() + amx_col[gi] * 32 * nch_h);
+        AmxZeroTail(n, I, amx_bh.data() + amx_col[gi] * 32 * nch_i);
+      });
+    }
+  }
+#endif
   lap(0);
 
   // Pass 1: h[route, I] = act(gate x, up x); the up dots go to u first.
@@ -1291,9 +1758,12 @@ void ForwardFormat(ForwardPlan& plan) {
     float gs[64], us[64], gs2[64], us2[64];
     float* const out[4] = {gs, us, gs2, us2};
     const int streams = streams_for(n);
-    PrefetchRow(gate_up, g.expert, r0, row_bytes1);
-    PrefetchRow(gate_up, g.expert, I + r0, row_bytes1);
-    if (streams == 4) {
+    const bool use_amx = amx_for(n);
+    if (!use_amx) {
+      PrefetchRow(gate_up, g.expert, r0, row_bytes1);
+      PrefetchRow(gate_up, g.expert, I + r0, row_bytes1);
+    }
+    if (streams == 4 && !use_amx) {
       PrefetchRow(gate_up, g.expert, r0 + (r1 - r0) / 2, row_bytes1);
       PrefetchRow(gate_up, g.expert, I + r0 + (r1 - r0) / 2, row_bytes1);
     }
@@ -1306,9 +1776,21 @@ void ForwardFormat(ForwardPlan& plan) {
         hrow[i] = h.data() + route * I;
         urow[i] = u.data() + route * I;
       }
+#if HWY_TARGET == HWY_AVX3_DL
+      if constexpr (kBf16Dot) {
+        if (use_amx) {
+          // (Groups of more than 64 routes: the subgroups of this chunk of 64.)
+          AmxDotRows<F>(gate_up, g.expert, r0, static_cast<long>(I + r0), r1 - r0,
+                        amx_bx.data() + (amx_col[item / nrb] + c0) * 32 * nch_h, nc,
+                        [&](int set, size_t j, int i, float v) {
+                          (set == 0 ? hrow : urow)[i][r0 + j] = v;
+                        });
+        }
+      }
+#endif
       // With four streams, gate and up rows of r and of r + half go together (rows [r0, r1)
       // split in two halves; an odd last row goes alone with its up row).
-      const size_t half = streams == 4 ? (r1 - r0) / 2 : 0;
+      const size_t half = streams == 4 && !use_amx ? (r1 - r0) / 2 : 0;
       for (size_t r = r0; r < r0 + half; ++r) {
         const size_t rows[4] = {r, I + r, r + half, I + r + half};
         DotRowsMany<F, 4, kBf16Dot>(gate_up, g.expert, rows, acts, nc, out);
@@ -1319,7 +1801,7 @@ void ForwardFormat(ForwardPlan& plan) {
           urow[i][r + half] = us2[i];
         }
       }
-      for (size_t r = r0 + 2 * half; r < r1; ++r) {
+      for (size_t r = use_amx ? r1 : r0 + 2 * half; r < r1; ++r) {
         // The gate and up rows of r together: one pass over the activations for both.
         const size_t rows[2] = {r, I + r};
         if constexpr (kFuseRows<F>) {
@@ -1335,6 +1817,15 @@ void ForwardFormat(ForwardPlan& plan) {
       }
       for (int i = 0; i < nc; ++i) {
         ApplyActivation(opt, hrow[i] + r0, urow[i] + r0, r1 - r0);
+#if HWY_TARGET == HWY_AVX3_DL
+        if constexpr (kBf16Dot) {
+          if (use_amx) {
+            AmxPutBf16<F == common::WeightFormat::kFp8Block>(
+                amx_bh.data() + amx_col[item / nrb] * 32 * nch_i, n, I, c0 + i, r0, r1, hrow[i]);
+            continue;
+          }
+        }
+#endif
         if (overlap) hacts.PrepareRange(route_of[i], hrow[i], r0, r1);
       }
     }
@@ -1359,12 +1850,15 @@ void ForwardFormat(ForwardPlan& plan) {
     // Rows dotted together: p, p + q, p + 2q, p + 3q (four streams) for p < q = nb / 4, then
     // pairs p, p + h (h = what is left / 2) of the rest; with two streams only the pairs.
     const int n = g.end - g.begin;
-    const size_t q = streams_for(n) == 4 ? (h1 - h0) / 4 : 0;
+    const bool use_amx = amx_for(n);
+    const size_t q = streams_for(n) == 4 && !use_amx ? (h1 - h0) / 4 : 0;
     const size_t p0 = h0 + 4 * q;
-    const size_t half = (h1 - p0) / 2;
+    const size_t half = use_amx ? 0 : (h1 - p0) / 2;
     for (size_t j = 0; j < (q > 0 ? 4 : 0); ++j) PrefetchRow(down, g.expert, h0 + j * q, row_bytes2);
-    PrefetchRow(down, g.expert, p0, row_bytes2);
-    PrefetchRow(down, g.expert, p0 + half, row_bytes2);
+    if (!use_amx) {
+      PrefetchRow(down, g.expert, p0, row_bytes2);
+      PrefetchRow(down, g.expert, p0 + half, row_bytes2);
+    }
     ActView acts[64];
     float* dst[64];
     float wt[64];
@@ -1378,6 +1872,19 @@ void ForwardFormat(ForwardPlan& plan) {
         dst[i] = part.data() + route * H;
         wt[i] = plan.route_weight[route];
       }
+#if HWY_TARGET == HWY_AVX3_DL
+      if constexpr (kBf16Dot) {
+        if (use_amx) {
+          // Rows [h0, h0 + nb/2) and [h0 + nb/2, h1) as the two sets (nb = h1 - h0 is even).
+          const size_t hb = (h1 - h0) / 2;
+          AmxDotRows<F>(down, g.expert, h0, static_cast<long>(h0 + hb), hb,
+                        amx_bh.data() + (amx_col[item / nhb] + c0) * 32 * nch_i, nc,
+                        [&](int set, size_t j, int i, float v) {
+                          dst[i][h0 + set * hb + j] = wt[i] * v;
+                        });
+        }
+      }
+#endif
       for (size_t p = 0; p < q; ++p) {
         const size_t rows[4] = {h0 + p, h0 + q + p, h0 + 2 * q + p, h0 + 3 * q + p};
         DotRowsMany<F, 4, kBf16Dot>(down, g.expert, rows, acts, nc, out);
@@ -1486,6 +1993,10 @@ void ForwardImpl(ForwardPlan& plan) {
 #endif
       return ForwardFormat<common::WeightFormat::kBf16>(plan);
     case common::WeightFormat::kFp8Block:
+#if HWY_TARGET == HWY_AVX3_DL
+      // Forward sets bf16_dot_product only when this target runs on a CPU with AVX512_BF16.
+      if (plan.bf16_dot_product) return ForwardFormat<common::WeightFormat::kFp8Block, true>(plan);
+#endif
       return ForwardFormat<common::WeightFormat::kFp8Block>(plan);
     case common::WeightFormat::kQ4_0: return ForwardFormat<common::WeightFormat::kQ4_0>(plan);
     case common::WeightFormat::kNvfp4: return ForwardFormat<common::WeightFormat::kNvfp4>(plan);

@@ -10,6 +10,11 @@
 #include <string>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -79,6 +84,23 @@ int64_t BestTarget(int64_t targets) { return targets & -targets; }
 // AVX512_BF16 (vdpbf16ps), which Highway's AVX3_DL target does not require (Ice Lake has AVX3_DL
 // without it). Detected once, like CompiledSupported: CPU features do not change while the
 // process runs.
+// AMX-TILE and AMX-BF16, and Linux's permission for the tile data state (arch_prctl
+// ARCH_REQ_XCOMP_PERM, process-wide, requested once: without it the first tile instruction
+// faults). Like the other CPU features, it does not change while the process runs.
+bool AmxAvailable() {
+#if defined(__x86_64__) && defined(__linux__)
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+    constexpr long kArchReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 bool CpuHasAvx512Bf16() {
 #if defined(__x86_64__) || defined(__i386__)
   static const bool has = __builtin_cpu_supports("avx512bf16");
@@ -272,6 +294,10 @@ void EnvInt(const char* name, int* value) {
 // Options with every kAuto tuning value replaced by the format's own (see Options::kAuto).
 Options ResolveTuning(const Options& options, WeightFormat format) {
   Options o = options;
+  // AMX from 3 routes per expert for fp8, 6 for bf16: one dev-box core, weights in L3, GB/s at
+  // 1 / 4 / 8 routes: fp8 through vdpbf16ps 21 / 8.6 / 4.4, through AMX 13 / 12.5 / 11.7; bf16
+  // through vdpbf16ps 27 / 23 / 13, through AMX 18 / 18 / 16.6.
+  if (o.amx_min_routes == Options::kAuto) o.amx_min_routes = format == WeightFormat::kBf16 ? 6 : 3;
   const bool four_bit = format == WeightFormat::kQ4_0 || format == WeightFormat::kNvfp4 ||
                         format == WeightFormat::kMxfp4;
   // Side-by-side runs on the GPU machine's host (cpu_moe_bench --ab, 2026-11-30, see
@@ -306,6 +332,12 @@ absl::Status ValidateTuning(const Options& o) {
                                                    o.pass2_rows, " must be even in [2, ",
                                                    Options::kMaxRowsPerItem, "]"));
   }
+  if (o.amx_min_routes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("amx_min_routes (MOE_CPU_AMX_MIN_ROUTES) = ",
+                                                   o.amx_min_routes,
+                                                   " must be >= 0 (0: no bf16 expert through AMX) "
+                                                   "or -1 (auto)"));
+  }
   if (o.row_streams != Options::kAuto && o.row_streams != 2 && o.row_streams != 4) {
     return absl::InvalidArgumentError(absl::StrCat("row_streams (MOE_CPU_ROW_STREAMS) = ",
                                                    o.row_streams, " must be 2, 4 or -1 (auto)"));
@@ -329,6 +361,8 @@ Options Options::FromEnv() {
   EnvFlag("MOE_CPU_BLOCK_LANE", &o.block_lane);
   EnvFlag("MOE_CPU_DEBUG", &o.debug);
   EnvFlag("MOE_CPU_BF16_DOT", &o.bf16_dot_product);
+  EnvFlag("MOE_CPU_AMX", &o.amx);
+  EnvInt("MOE_CPU_AMX_MIN_ROUTES", &o.amx_min_routes);
   if (const char* t = std::getenv("MOE_CPU_MAX_TARGET"); t != nullptr) o.max_target = t;
   if (const char* v = std::getenv("MOE_CPU_ONEDNN_MIN_TOKENS"); v != nullptr && *v != '\0') {
     o.onednn_min_tokens_per_expert = std::max(0, std::atoi(v));
@@ -353,6 +387,10 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
                      const void* x, DType x_dtype, void* y, DType y_dtype, const Options& options,
                      common::ThreadPool& pool, ForwardStats* stats) {
   RETURN_IF_ERROR(ValidateBank(bank));
+  ASSIGN_OR_RETURN(const int64_t target, ChooseTarget(options.max_target));
+  const bool bf16_dot_cpu = options.bf16_dot_product && target == HWY_AVX3_DL && CpuHasAvx512Bf16();
+  const bool amx = bf16_dot_cpu && options.amx && AmxAvailable() &&
+                   (bank.format == WeightFormat::kFp8Block || bank.format == WeightFormat::kBf16);
   const Options resolved = ResolveTuning(options, bank.format);
   RETURN_IF_ERROR(ValidateTuning(resolved));
   if (num_tokens < 0 || top_k <= 0) {
@@ -368,7 +406,6 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   if (num_tokens > 0 && (x == nullptr || y == nullptr)) {
     return absl::InvalidArgumentError("x and y must not be null");
   }
-  ASSIGN_OR_RETURN(const int64_t target, ChooseTarget(options.max_target));
 
   internal::ForwardPlan plan;
   plan.bank = &bank;
@@ -380,8 +417,10 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   plan.x_dtype = x_dtype;
   plan.y = y;
   plan.y_dtype = y_dtype;
-  plan.bf16_dot_product = bank.format == WeightFormat::kBf16 && options.bf16_dot_product &&
-                          target == HWY_AVX3_DL && CpuHasAvx512Bf16();
+  plan.bf16_dot_product = bf16_dot_cpu && (bank.format == WeightFormat::kBf16 ||
+                                           bank.format == WeightFormat::kFp8Block);
+  plan.amx = amx && resolved.amx_min_routes > 0;
+  plan.amx_min_routes = resolved.amx_min_routes;
   plan.token_route_begin.assign(num_tokens + 1, 0);
   for (int t = 0; t < num_tokens; ++t) {
     for (int j = 0; j < top_k; ++j) {
@@ -429,6 +468,12 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   const int all_routes = num_routes + onednn.routes;
   const int all_unique = unique + onednn.experts;
   const bool bf16_dot_ran = plan.bf16_dot_product && num_routes > 0;
+  bool amx_ran = false;
+  if (plan.amx) {
+    for (const internal::ExpertGroup& g : plan.groups) {
+      amx_ran |= g.end - g.begin >= plan.amx_min_routes;
+    }
+  }
   if (stats != nullptr) {
     stats->routes = all_routes;
     stats->unique_experts = all_unique;
@@ -436,14 +481,15 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
     stats->target = target_name;
     stats->onednn_experts = onednn.experts;
     stats->bf16_dot_product = bf16_dot_ran;
+    stats->amx = amx_ran;
   }
   if (options.debug) {
     std::fprintf(stderr,
                  "cpu_moe: T=%d routes=%d unique_experts=%d reuse=%.3f dedup=%d target=%s "
-                 "bf16_dot=%d onednn_experts=%d onednn_routes=%d\n",
+                 "bf16_dot=%d amx=%d onednn_experts=%d onednn_routes=%d\n",
                  num_tokens, all_routes, all_unique,
                  all_unique > 0 ? static_cast<double>(all_routes) / all_unique : 0.0,
-                 dedup ? 1 : 0, target_name, bf16_dot_ran ? 1 : 0, onednn.experts,
+                 dedup ? 1 : 0, target_name, bf16_dot_ran ? 1 : 0, amx_ran ? 1 : 0, onednn.experts,
                  onednn.routes);
   }
 

@@ -102,6 +102,17 @@ struct Options {
   // relative error of up to 2^-9 per activation element (about 0.3% of y, relative Frobenius, in
   // cpu_moe_test), fp32 alone about 1e-6. ForwardStats::bf16_dot_product says which ran.
   bool bf16_dot_product = true;
+  // AMX tiles (tdpbf16ps) where the CPU has AMX-TILE and AMX-BF16 (and Linux grants the tile
+  // state), on the AVX3_DL target with bf16_dot_product: fp8 experts are decoded (exactly) to
+  // bf16 and dotted against bf16-rounded activations (the same rounding as bf16's, see above),
+  // 16 weight rows by up to 16 routes per instruction, so their cost no longer grows with the
+  // routes per expert; bf16 experts with at least amx_min_routes routes likewise. false: fp8
+  // through fp32 FMAs on fp32 activations, bf16 through vdpbf16ps only. ForwardStats::amx says
+  // whether it ran.
+  bool amx = true;
+  // bf16 experts with at least this many routes in a call go through AMX (0 or less: none);
+  // kAuto: the default measured on the GPU machine's host.
+  int amx_min_routes = -1;
   // Highway target name ("AVX3_DL", "AVX3", "AVX2", "SSE4", ...) to cap dispatch at; empty: the
   // best target the CPU supports. A cap naming a supported target runs exactly that target.
   std::string max_target;
@@ -151,7 +162,8 @@ struct Options {
   // Options with the environment's switches applied, read now (never cached):
   //   MOE_CPU_DEDUP=0 turns dedup off, MOE_CPU_OVERLAP=0 turns overlap_passes off,
   //   MOE_CPU_BLOCK_LANE=0 turns block_lane off, MOE_CPU_BF16_DOT=0 turns bf16_dot_product
-  //   off, MOE_CPU_DEBUG=1 turns debug on,
+  //   off, MOE_CPU_AMX=0 turns amx off, MOE_CPU_AMX_MIN_ROUTES=<n> sets amx_min_routes,
+  //   MOE_CPU_DEBUG=1 turns debug on,
   //   MOE_CPU_MAX_TARGET=<name> caps the target,
   //   MOE_CPU_ONEDNN_MIN_TOKENS=<n> sets onednn_min_tokens_per_expert (0: oneDNN off),
   //   MOE_CPU_PREFETCH_BYTES=<n>, MOE_CPU_PASS1_ROWS=<n>, MOE_CPU_PASS2_ROWS=<n>,
@@ -170,6 +182,8 @@ struct ForwardStats {
   // The GEMV kernels ran with the CPU's bf16 dot product on bf16-rounded activations (see
   // Options::bf16_dot_product); false when they used fp32 FMAs or did not run.
   bool bf16_dot_product = false;
+  // AMX tiles ran for at least one expert (Options::amx); with it bf16_dot_product is true.
+  bool amx = false;
   // Wall time of the GEMV path's phases (for profiling; zero when no route took that path):
   // preparing x, pass 1 (gate_up), preparing h, pass 2 (down). The oneDNN part is not included.
   // With overlap_passes, pass 1 runs until its last item is done and includes preparing h

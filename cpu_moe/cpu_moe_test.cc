@@ -80,6 +80,15 @@ std::vector<float> RandomX(int T, int H, std::mt19937_64& rng) {
 // bf16 dot product against the reference that rounds its activations alike.
 constexpr double kRelFp32 = 2e-4;
 constexpr double kRelBf16Dot = 1e-5;
+// AMX: each output's sum runs along the contraction in one chain of up to k / 2 = 240 (pass 1)
+// or 144 (pass 2) additions of bf16 pair products inside the tiles, plus the fp8 block flushes
+// and the route sums: about 150 roundings of pass 2 (pass 1's show as h flips or not at all),
+// 150 * 2^-24 = 9e-6 of abs_scale; checked at 3e-5 (3x margin), still 7 times tighter than fp32's.
+constexpr double kRelAmx = 3e-5;
+
+double RelFor(const ForwardStats& st) {
+  return st.amx ? kRelAmx : st.bf16_dot_product ? kRelBf16Dot : kRelFp32;
+}
 
 // max over elements of |y - ref| / tol (<= 1 passes), tol = rel * abs_scale + flip + 1e-7.
 double WorstRatio(const std::vector<float>& y, const std::vector<double>& ref,
@@ -98,9 +107,21 @@ bool IsQuant(WeightFormat f) {
   return f == WeightFormat::kQ4_0 || f == WeightFormat::kMxfp4 || f == WeightFormat::kNvfp4;
 }
 
-// Whether a bf16 bank at `target` with Options::bf16_dot_product runs the CPU's bf16 dot product.
+// Whether a bf16 or fp8 bank at `target` with Options::bf16_dot_product runs the CPU's bf16 dot
+// product.
 bool Bf16DotRunsAt(const std::string& target) {
   return target == "AVX3_DL" && __builtin_cpu_supports("avx512bf16");
+}
+
+// Whether AMX can run there (Options::amx; Linux grants the tile state on every kernel since
+// 5.16, which Forward requests).
+bool AmxRunsAt(const std::string& target) {
+  return Bf16DotRunsAt(target) && __builtin_cpu_supports("amx-tile") &&
+         __builtin_cpu_supports("amx-bf16");
+}
+
+bool HasBf16Dot(WeightFormat f) {
+  return f == WeightFormat::kBf16 || f == WeightFormat::kFp8Block;
 }
 
 // Reference options matching a run: the bf16 activation rounding emulated where the run did it.
@@ -127,7 +148,7 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
   std::mt19937_64 rng(1234);
   for (WeightFormat f : kFormats) {
     const HostBank hb = MakeRandomBank(f, kE, kH, kI, 77 + static_cast<int>(f));
-    const bool bf16 = f == WeightFormat::kBf16;
+    const bool bf16 = HasBf16Dot(f);  // bf16 and fp8: the bf16 dot product variants
     for (int T : {1, 2, 5, 16, 64}) {
       for (bool skewed : {false, true}) {
         const Routing r = MakeRouting(T, kE, kTopK, skewed ? 1.2 : 0.0, rng);
@@ -145,15 +166,19 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
         ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, exact, false, &plain, &s2, &f2);
         for (const std::string& target : AvailableTargets()) {
           for (bool dedup : {false, true}) {
-            // bf16: its bf16 dot product on and off; int8 formats: both layouts.
-            for (bool alt : {false, true}) {
-              const bool dot = bf16 && alt, block_lane = !alt;
-              if (alt && !bf16 && !IsQuant(f)) continue;
+            // bf16 and fp8: the bf16 dot product off, on (AMX for experts with the default
+            // number of routes) and on with every expert through AMX; int8 formats: both
+            // layouts.
+            for (int alt : {0, 1, 2}) {
+              const bool dot = bf16 && alt != 0, block_lane = alt == 0;
+              if (alt != 0 && !bf16 && !IsQuant(f)) continue;
+              if (alt == 2 && !bf16) continue;
               Options o;
               o.dedup = dedup;
               o.max_target = target;
               o.bf16_dot_product = dot;
               o.block_lane = block_lane;
+              if (alt == 2) o.amx_min_routes = 1;
               o.onednn_min_tokens_per_expert = 0;  // GEMV kernels (oneDNN: onednn_experts_test)
               std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
               ForwardStats st;
@@ -162,12 +187,17 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
               const std::string what = absl::StrCat(
                   std::string(common::WeightFormatName(f)), " T=", T, " skewed=", skewed,
                   " target=", target, " dedup=", dedup, " bf16_dot=", dot,
-                  " block_lane=", block_lane);
+                  " block_lane=", block_lane, " amx_all=", alt == 2);
               EXPECT_EQ(st.target, target) << what;
               EXPECT_EQ(st.bf16_dot_product, dot && Bf16DotRunsAt(target)) << what;
+              if (alt == 2) {
+                EXPECT_EQ(st.amx, AmxRunsAt(target)) << what;
+              }
+              if (!dot) {
+                EXPECT_FALSE(st.amx) << what;
+              }
               const int v = st.bf16_dot_product ? 1 : 0;
-              EXPECT_LE(WorstRatio(y, ref[v], scale[v], flip[v], v ? kRelBf16Dot : kRelFp32), 1.0)
-                  << what;
+              EXPECT_LE(WorstRatio(y, ref[v], scale[v], flip[v], RelFor(st)), 1.0) << what;
               const double rel = RelFrobenius(y, plain);
               EXPECT_LE(rel, IsQuant(f) ? 0.02 : st.bf16_dot_product ? 0.01 : 1e-5) << what;
             }
@@ -187,18 +217,22 @@ TEST_F(CpuMoeTest, BrokenVariantsFail) {
   for (WeightFormat f : kFormats) {
     const Routing r = MakeRouting(T, kE, kTopK, 0.0, rng);
     const std::vector<float> x = RandomX(T, kH, rng);
-    for (bool dot : {false, true}) {
-      if (dot && f != WeightFormat::kBf16) continue;  // the option is bf16's only
+    // Variants: fp32 kernels; the bf16 dot product (bf16, fp8); with every expert through AMX.
+    for (int variant : {0, 1, 2}) {
+      if (variant != 0 && !HasBf16Dot(f)) continue;
+      const bool dot = variant != 0;
       HostBank hb = MakeRandomBank(f, kE, kH, kI, 5 + static_cast<int>(f));
       Options o;
       o.bf16_dot_product = dot;
+      if (variant == 2) o.amx_min_routes = 1;
       std::vector<float> y(x.size());
       ForwardStats st;
       ASSERT_TRUE(
           Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st).ok());
       const std::string what =
-          absl::StrCat(std::string(common::WeightFormatName(f)), " bf16_dot=", st.bf16_dot_product);
-      const double rel = st.bf16_dot_product ? kRelBf16Dot : kRelFp32;
+          absl::StrCat(std::string(common::WeightFormatName(f)), " bf16_dot=", st.bf16_dot_product,
+                       " amx=", st.amx);
+      const double rel = RelFor(st);
       std::vector<double> ref, scale, flip;
       ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, RefOptions(o, st), true, &ref, &scale,
                        &flip);
@@ -308,7 +342,14 @@ TEST_F(CpuMoeTest, DedupOnOffAgreeAndInertWithoutSharing) {
       const Routing r = MakeRouting(T, kE, kTopK, 1.2, rng);
       const std::vector<float> x = RandomX(T, kH, rng);
       std::vector<float> y0(x.size()), y1(x.size());
+      // AMX off: it takes experts by their route count, which dedup changes, and its fp32 sums
+      // differ from vdpbf16ps' in order; where h is then rounded to bf16 a last-bit difference
+      // can flip h by a bf16 step. Both kernels meet the reference with such flips counted
+      // (MatchesReferenceEverywhere runs dedup on and off with AMX); here the same kernels run
+      // either way, so only the split differs.
       Options off, on;
+      on.amx_min_routes = 0;
+      off = on;
       off.dedup = false;
       ForwardStats s0, s1;
       ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y0), off, pool_,
@@ -490,6 +531,55 @@ TEST_F(CpuMoeTest, Bf16DotEnvSwitchAndStats) {
   EXPECT_TRUE(st.bf16_dot_product);
   EXPECT_EQ(st.target, "AVX3_DL");
   EXPECT_NE(y_on, y_off);  // the activations were rounded to bf16
+}
+
+// MOE_CPU_AMX=0 and MOE_CPU_AMX_MIN_ROUTES reach the options when they are built; ForwardStats::amx
+// says whether tiles ran: with every expert through AMX where the CPU has it, never with amx off,
+// with amx_min_routes = 0, or for formats without it (q4_0); a negative threshold is rejected.
+TEST_F(CpuMoeTest, AmxEnvSwitchAndStats) {
+  EXPECT_TRUE(Options().amx);
+  setenv("MOE_CPU_AMX", "0", 1);
+  setenv("MOE_CPU_AMX_MIN_ROUTES", "5", 1);
+  const Options env = Options::FromEnv();
+  EXPECT_FALSE(env.amx);
+  EXPECT_EQ(env.amx_min_routes, 5);
+  unsetenv("MOE_CPU_AMX");
+  unsetenv("MOE_CPU_AMX_MIN_ROUTES");
+  EXPECT_TRUE(Options::FromEnv().amx);
+
+  std::mt19937_64 rng(21);
+  const int T = 3;
+  const Routing r = MakeRouting(T, kE, kTopK, 0.0, rng);
+  const std::vector<float> x = RandomX(T, kH, rng);
+  std::vector<float> y(x.size());
+  const std::string best = AvailableTargets().front();
+  for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kQ4_0}) {
+    const HostBank hb = MakeRandomBank(f, kE, kH, kI, 23, false);
+    const std::string what(common::WeightFormatName(f));
+    Options all;
+    all.amx_min_routes = 1;
+    ForwardStats st;
+    ASSERT_TRUE(
+        Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), all, pool_, &st).ok());
+    EXPECT_EQ(st.amx, HasBf16Dot(f) && AmxRunsAt(best)) << what;
+    Options off = all;
+    off.amx = false;
+    ASSERT_TRUE(
+        Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), off, pool_, &st).ok());
+    EXPECT_FALSE(st.amx) << what;
+    EXPECT_EQ(st.bf16_dot_product, HasBf16Dot(f) && Bf16DotRunsAt(best)) << what;
+    Options none = all;
+    none.amx_min_routes = 0;
+    ASSERT_TRUE(
+        Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), none, pool_, &st).ok());
+    EXPECT_FALSE(st.amx) << what;
+    Options bad = all;
+    bad.amx_min_routes = -5;
+    const absl::Status s =
+        Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), bad, pool_, &st);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_NE(s.message().find("amx_min_routes"), absl::string_view::npos) << s;
+  }
 }
 
 }  // namespace

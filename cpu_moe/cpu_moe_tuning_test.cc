@@ -62,7 +62,8 @@ std::vector<float> RunForward(const HostBank& hb, int T, const Case& c, const Op
   return y;
 }
 
-// bf16 (with its bf16 dot product on and off), fp8_block and q4_0 (one per activation layout) x
+// bf16 and fp8_block (with the bf16 dot product off, on, and on with AMX for every expert) and
+// q4_0 (one per activation layout) x
 // every compiled+supported target x T in {1, 16} x dedup on/off: each tuning setting, with the
 // passes overlapped and not, gives the defaults' y bit for bit. The settings include pass-1 row
 // counts that do and do not allow the overlap (multiples of the activation block or not; kH and
@@ -99,12 +100,16 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
       for (int T : {1, 16}) {
         const Case c = MakeCase(T, 100 + T);
         for (bool dedup : {true, false}) {
-          for (bool dot : {true, false}) {
-            if (!dot && f != WeightFormat::kBf16) continue;  // the option is bf16's only
+          // bf16 and fp8: the bf16 dot product off, on (AMX for experts with the default
+          // number of routes), on with every expert through AMX (where the CPU has it).
+          for (int variant : {0, 1, 2}) {
+            if (variant != 0 && f == WeightFormat::kQ4_0) continue;
+            const bool dot = variant != 0;
             Options base;
             base.max_target = target;
             base.dedup = dedup;
             base.bf16_dot_product = dot;
+            if (variant == 2) base.amx_min_routes = 1;
             base.onednn_min_tokens_per_expert = 0;
             const std::vector<float> y0 = RunForward(hb, T, c, base, pool);
             for (const Setting& s : settings) {
@@ -118,7 +123,7 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
               // memcmp: bit for bit (NaN-safe, -0 vs +0 distinguished).
               EXPECT_EQ(std::memcmp(y.data(), y0.data(), y.size() * sizeof(float)), 0)
                   << common::WeightFormatName(f) << " " << target << " T=" << T
-                  << " dedup=" << dedup << " bf16_dot=" << dot << " prefetch=" << s.prefetch
+                  << " dedup=" << dedup << " variant=" << variant << " prefetch=" << s.prefetch
                   << " pass1=" << s.pass1 << " pass2=" << s.pass2 << " overlap=" << s.overlap
                   << " streams=" << s.streams;
             }

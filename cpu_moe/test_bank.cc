@@ -188,8 +188,8 @@ void ReferenceForward(const HostBank& hb, int num_tokens, int top_k,
   const ExpertBank& b = hb.bank;
   const size_t H = b.hidden, I = b.intermediate;
   const bool quant = emulate_act_quant && IsQuant(b.format);
-  const bool bf16_round =
-      emulate_act_quant && b.format == WeightFormat::kBf16 && options.bf16_dot_product;
+  const bool bf16_round = emulate_act_quant && options.bf16_dot_product &&
+                          (b.format == WeightFormat::kBf16 || b.format == WeightFormat::kFp8Block);
   y->assign(num_tokens * H, 0.0);
   abs_scale->assign(num_tokens * H, 0.0);
   flip->assign(num_tokens * H, 0.0);

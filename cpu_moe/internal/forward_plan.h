@@ -32,6 +32,11 @@ struct ForwardPlan {
   // the row kernels use vdpbf16ps against bf16-rounded activations. Decided once per call by
   // Forward; the other targets never see it set.
   bool bf16_dot_product = false;
+  // AMX tiles (tdpbf16ps) where the CPU has AMX-TILE and AMX-BF16, Linux granted the tile state,
+  // and options->amx: every fp8 expert (then bf16_dot_product is set too: the activations are
+  // bf16), bf16 experts with at least amx_min_routes routes (with bf16_dot_product).
+  bool amx = false;
+  int amx_min_routes = 0;
 
   // Valid routes, in token order: route r is token route_token[r], weight route_weight[r].
   std::vector<int> route_token;
