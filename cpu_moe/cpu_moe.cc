@@ -294,10 +294,13 @@ void EnvInt(const char* name, int* value) {
 // Options with every kAuto tuning value replaced by the format's own (see Options::kAuto).
 Options ResolveTuning(const Options& options, WeightFormat format) {
   Options o = options;
-  // AMX from 3 routes per expert for fp8, 6 for bf16: one dev-box core, weights in L3, GB/s at
-  // 1 / 4 / 8 routes: fp8 through vdpbf16ps 21 / 8.6 / 4.4, through AMX 13 / 12.5 / 11.7; bf16
-  // through vdpbf16ps 27 / 23 / 13, through AMX 18 / 18 / 16.6.
-  if (o.amx_min_routes == Options::kAuto) o.amx_min_routes = format == WeightFormat::kBf16 ? 6 : 3;
+  // AMX from 5 routes per expert for fp8, never for bf16. One dev-box core, weights in L3, GB/s
+  // at 1 / 4 / 8 routes: fp8 through vdpbf16ps 21 / 8.6 / 4.4, through AMX 13 / 12.5 / 11.7;
+  // bf16 through vdpbf16ps 27 / 23 / 13, through AMX 18 / 18 / 16.6. Side by side on the GPU
+  // machine's host (benchmarks/h200host_tuning_2026-11-30_session4.md): fp8 from 5 routes
+  // against from 3: T=16 4-5% faster, T=64 1-2% slower, and 16% faster than without AMX at
+  // T=64 with E=128; bf16 through AMX from 3, 4 or 6 routes was 2-12% slower than without.
+  if (o.amx_min_routes == Options::kAuto) o.amx_min_routes = format == WeightFormat::kBf16 ? 0 : 5;
   const bool four_bit = format == WeightFormat::kQ4_0 || format == WeightFormat::kNvfp4 ||
                         format == WeightFormat::kMxfp4;
   // Side-by-side runs on the GPU machine's host (cpu_moe_bench --ab, 2026-11-30, see

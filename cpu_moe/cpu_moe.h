@@ -8,9 +8,9 @@
 // their work by (unique expert, row block) (seed 003), so tokens that share an expert share its
 // bytes; pass 2 writes each route's rows apart and sums every token's routes at the end.
 // Quantized formats use int8 dot products (VNNI where the CPU has it) against activations
-// quantized per 32-element block like llama.cpp's Q8_0; bf16 uses the CPU's bf16 dot product
-// (AVX512_BF16) against activations rounded to bf16 where present, fp32 FMAs elsewhere; fp8 uses
-// fp32 FMAs.
+// quantized per 32-element block like llama.cpp's Q8_0; bf16 and fp8 (decoded exactly to bf16)
+// use the CPU's bf16 dot product (AVX512_BF16, and AMX tiles for fp8 experts with many routes)
+// against activations rounded to bf16 where present, fp32 FMAs elsewhere.
 // ISA targets come from Highway dynamic dispatch, chosen once per Forward call.
 //
 // Plain types only: no Highway types in this header.
@@ -95,23 +95,23 @@ struct Options {
   // Print the reuse factor (routes / unique experts), the chosen target and whether bf16's dot
   // product ran to stderr per call.
   bool debug = false;
-  // bf16 banks only: where the CPU has AVX512_BF16 and the AVX3_DL target runs, round x and the
-  // activated intermediate h to bf16 (round to nearest even, as common::FloatToBf16) and dot them
-  // with the weights by the CPU's bf16 dot product (vdpbf16ps: exact products, fp32 sums; bf16
-  // denormals count as zero). false keeps x and h in fp32 with fp32 FMAs: the rounding adds a
-  // relative error of up to 2^-9 per activation element (about 0.3% of y, relative Frobenius, in
-  // cpu_moe_test), fp32 alone about 1e-6. ForwardStats::bf16_dot_product says which ran.
+  // bf16 and fp8 banks: where the CPU has AVX512_BF16 and the AVX3_DL target runs, round x and
+  // the activated intermediate h to bf16 (round to nearest even, as common::FloatToBf16) and dot
+  // them with the weights (fp8: decoded exactly to bf16) by the CPU's bf16 dot product
+  // (vdpbf16ps, or AMX tiles, see amx: exact products, fp32 sums; bf16 denormals count as
+  // zero). false keeps x and h in fp32 with fp32 FMAs: the rounding adds a relative error of up
+  // to 2^-9 per activation element (about 0.3% of y, relative Frobenius, in cpu_moe_test), fp32
+  // alone about 1e-6. ForwardStats::bf16_dot_product says which ran.
   bool bf16_dot_product = true;
   // AMX tiles (tdpbf16ps) where the CPU has AMX-TILE and AMX-BF16 (and Linux grants the tile
-  // state), on the AVX3_DL target with bf16_dot_product: fp8 experts are decoded (exactly) to
-  // bf16 and dotted against bf16-rounded activations (the same rounding as bf16's, see above),
-  // 16 weight rows by up to 16 routes per instruction, so their cost no longer grows with the
-  // routes per expert; bf16 experts with at least amx_min_routes routes likewise. false: fp8
-  // through fp32 FMAs on fp32 activations, bf16 through vdpbf16ps only. ForwardStats::amx says
-  // whether it ran.
+  // state), on the AVX3_DL target with bf16_dot_product, for experts with at least
+  // amx_min_routes routes in a call: 16 weight rows by up to 16 routes per instruction, so their
+  // cost no longer grows with the routes per expert (fp8 weights are decoded exactly to bf16
+  // first). Same activation rounding as bf16_dot_product; only the fp32 summation order
+  // differs. ForwardStats::amx says whether it ran for any expert.
   bool amx = true;
-  // bf16 experts with at least this many routes in a call go through AMX (0 or less: none);
-  // kAuto: the default measured on the GPU machine's host.
+  // Routes an expert needs in a call to go through AMX; 0: none. kAuto: 5 for fp8 and 0 (none)
+  // for bf16, as measured side by side on the GPU machine's host (see ResolveTuning).
   int amx_min_routes = -1;
   // Highway target name ("AVX3_DL", "AVX3", "AVX2", "SSE4", ...) to cap dispatch at; empty: the
   // best target the CPU supports. A cap naming a supported target runs exactly that target.
