@@ -287,6 +287,39 @@ TEST_F(CpuMoeTest, BrokenVariantsFail) {
   }
 }
 
+// More than 64 routes per expert (the kernels take an expert's routes 64 at a time, AMX 16 at a
+// time within those): T = 150 tokens over 4 experts, top-2, so each expert has about 75 routes.
+TEST_F(CpuMoeTest, MoreThan64RoutesPerExpert) {
+  std::mt19937_64 rng(31);
+  const int T = 150, E = 4, k = 2;
+  const Routing r = MakeRouting(T, E, k, 0.0, rng);
+  const std::vector<float> x = RandomX(T, kH, rng);
+  for (WeightFormat f : kFormats) {
+    const HostBank hb = MakeRandomBank(f, E, kH, kI, 61 + static_cast<int>(f));
+    for (int variant : {0, 1, 2}) {
+      if (variant != 0 && !HasBf16Dot(f)) continue;
+      Options o;
+      o.bf16_dot_product = variant != 0;
+      if (variant == 2) o.amx_min_routes = 1;
+      o.onednn_min_tokens_per_expert = 0;  // the GEMV / AMX kernels
+      std::vector<float> y(x.size());
+      ForwardStats st;
+      ASSERT_TRUE(Forward(hb.bank, T, k, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st)
+                      .ok());
+      const std::string what = absl::StrCat(std::string(common::WeightFormatName(f)),
+                                            " variant=", variant, " amx=", st.amx);
+      EXPECT_GT(st.reuse, 64.0) << what;
+      if (variant == 2) {
+        EXPECT_EQ(st.amx, AmxRunsAt(AvailableTargets().front())) << what;
+      }
+      std::vector<double> ref, scale, flip;
+      ReferenceForward(hb, T, k, r.ids, r.weights, x, RefOptions(o, st), true, &ref, &scale,
+                       &flip);
+      EXPECT_LE(WorstRatio(y, ref, scale, flip, RelFor(st)), 1.0) << what;
+    }
+  }
+}
+
 TEST_F(CpuMoeTest, PaddingIsInert) {
   std::mt19937_64 rng(7);
   const int T = 6;
