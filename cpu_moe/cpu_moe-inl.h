@@ -959,13 +959,20 @@ struct Fp8Decoder {
   // 16q + i, of p1 code 16q + 8 + i (i < 8). So lane j = 4q + m (m < 4) of wv[v] is the weight
   // of column 16q + 8(v / 2) + 2m + v % 2 of the chunk: the order in which
   // ActSet<kFp8Block>::Prepare lays out the activations.
-  HWY_INLINE void Decode(__m512i code, __m512 (&wv)[4]) const {
+  // The bf16 bits of the 64 codes as two vectors of 32 (p0: words i < 8 of each 128-bit lane q
+  // from code 16q + i; p1: from code 16q + 8 + i).
+  HWY_INLINE void DecodeBf16(__m512i code, __m512i& p0, __m512i& p1) const {
     const __m512i lo = _mm512_permutex2var_epi8(lo0, code, lo1);
     // hi | (code & sign): vpternlogd truth table A | (B & C) = 0xF0 | (0xCC & 0xAA).
     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, code, hi1), code,
                                                  sign, 0xF8);
-    const __m512i p0 = _mm512_unpacklo_epi8(lo, hi);
-    const __m512i p1 = _mm512_unpackhi_epi8(lo, hi);
+    p0 = _mm512_unpacklo_epi8(lo, hi);
+    p1 = _mm512_unpackhi_epi8(lo, hi);
+  }
+
+  HWY_INLINE void Decode(__m512i code, __m512 (&wv)[4]) const {
+    __m512i p0, p1;
+    DecodeBf16(code, p0, p1);
     wv[0] = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
     wv[1] = _mm512_castsi512_ps(_mm512_and_si512(p0, hi16));
     wv[2] = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
@@ -1093,11 +1100,10 @@ HWY_INLINE void AmxStageChunk(const Fp8Decoder& dec, const uint8_t* row, size_t 
         tail ? _mm512_zextsi256_si512(
                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 64 * c)))
              : _mm512_loadu_si512(row + 64 * c);
-    const __m512i lo = _mm512_permutex2var_epi8(dec.lo0, code, dec.lo1);
-    const __m512i hi = _mm512_ternarylogic_epi32(
-        _mm512_permutex2var_epi8(dec.hi0, code, dec.hi1), code, dec.sign, 0xF8);
-    _mm512_store_si512(s + 64 * c, _mm512_unpacklo_epi8(lo, hi));
-    _mm512_store_si512(s + 64 * c + 32, _mm512_unpackhi_epi8(lo, hi));
+    __m512i p0, p1;
+    dec.DecodeBf16(code, p0, p1);
+    _mm512_store_si512(s + 64 * c, p0);
+    _mm512_store_si512(s + 64 * c + 32, p1);
   } else {
     if (pf != 0) {
       Pf(row + 128 * c + pf);
@@ -1348,17 +1354,13 @@ HWY_INLINE void AmxDotRows(const MatrixRef& mat, size_t e, size_t a_row0, long b
 #endif
 
 #if HWY_TARGET == HWY_AVX3_DL
-// fp8 by the CPU's bf16 dot product (kBf16Dot): the table decode's two vectors of 32 bf16
-// weights per 64 columns go straight into vdpbf16ps against the bf16 activations in the same
-// order (Fp8Pos, ActSet): 2 instructions per route per 64 columns instead of 4 FMAs, and no
-// widening of the weights to f32. Each 128-column block's sums are scaled into the totals, as
-// above. A short last chunk (32 columns) decodes zero-extended codes: its upper positions hold
-// +0 weights against the activations' zero padding.
-template <int NR, int NT>
-HWY_INLINE void Fp8DotRowsBf16(const uint8_t* const* w, const float* const* scale_row,
-                               size_t cols, size_t pf, const ActView* acts,
-                               float (*HWY_RESTRICT sums)[kTile]) {
-  const Fp8Decoder dec;
+// The 128-column scale blocks of the AVX3_DL fp8 kernels: chunk(c, c1, acc) adds the 64 columns
+// at c (the last 32 of a row when c + 64 > c1; chunks never straddle a block) to the block's
+// accumulators acc[NR][NT]; each block's sums are scaled into the totals, whose lane sums are
+// added to sums.
+template <int NR, int NT, class Chunk>
+HWY_INLINE void Fp8Blocks(const float* const* scale_row, size_t cols,
+                          float (*HWY_RESTRICT sums)[kTile], const Chunk& chunk) {
   __m512 total[NR][NT];
   for (int rr = 0; rr < NR; ++rr) {
     for (int t = 0; t < NT; ++t) total[rr][t] = _mm512_setzero_ps();
@@ -1369,29 +1371,7 @@ HWY_INLINE void Fp8DotRowsBf16(const uint8_t* const* w, const float* const* scal
     for (int rr = 0; rr < NR; ++rr) {
       for (int t = 0; t < NT; ++t) acc[rr][t] = _mm512_setzero_ps();
     }
-    for (size_t c = c0; c < c1; c += 64) {
-      __m512i wv[NR][2];
-      for (int rr = 0; rr < NR; ++rr) {
-        if (pf != 0) Pf(w[rr] + c + pf);
-        const __m512i code =
-            c + 64 <= c1 ? _mm512_loadu_si512(w[rr] + c)
-                         : _mm512_zextsi256_si512(
-                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[rr] + c)));
-        const __m512i lo = _mm512_permutex2var_epi8(dec.lo0, code, dec.lo1);
-        const __m512i hi = _mm512_ternarylogic_epi32(
-            _mm512_permutex2var_epi8(dec.hi0, code, dec.hi1), code, dec.sign, 0xF8);
-        wv[rr][0] = _mm512_unpacklo_epi8(lo, hi);
-        wv[rr][1] = _mm512_unpackhi_epi8(lo, hi);
-      }
-      for (int t = 0; t < NT; ++t) {
-        const __m512i x0 = _mm512_loadu_si512(acts[t].xb + c);
-        const __m512i x1 = _mm512_loadu_si512(acts[t].xb + c + 32);
-        for (int rr = 0; rr < NR; ++rr) {
-          acc[rr][t] = _mm512_dpbf16_ps(acc[rr][t], (__m512bh)wv[rr][0], (__m512bh)x0);
-          acc[rr][t] = _mm512_dpbf16_ps(acc[rr][t], (__m512bh)wv[rr][1], (__m512bh)x1);
-        }
-      }
-    }
+    for (size_t c = c0; c < c1; c += 64) chunk(c, c1, acc);
     for (int rr = 0; rr < NR; ++rr) {
       const __m512 s = _mm512_set1_ps(scale_row[rr][c0 / common::kFp8BlockSize]);
       for (int t = 0; t < NT; ++t) total[rr][t] = _mm512_fmadd_ps(acc[rr][t], s, total[rr][t]);
@@ -1403,6 +1383,37 @@ HWY_INLINE void Fp8DotRowsBf16(const uint8_t* const* w, const float* const* scal
       sums[rr][t] += hn::GetLane(hn::SumOfLanes(df, hn::Vec<decltype(df)>{total[rr][t]}));
     }
   }
+}
+
+// fp8 by the CPU's bf16 dot product (kBf16Dot): the table decode's two vectors of 32 bf16
+// weights per 64 columns go straight into vdpbf16ps against the bf16 activations in the same
+// order (Fp8Pos, ActSet): 2 instructions per route per 64 columns instead of 4 FMAs, and no
+// widening of the weights to f32. A short last chunk (32 columns) decodes zero-extended codes:
+// its upper positions hold +0 weights against the activations' zero padding.
+template <int NR, int NT>
+HWY_INLINE void Fp8DotRowsBf16(const uint8_t* const* w, const float* const* scale_row,
+                               size_t cols, size_t pf, const ActView* acts,
+                               float (*HWY_RESTRICT sums)[kTile]) {
+  const Fp8Decoder dec;
+  Fp8Blocks<NR, NT>(scale_row, cols, sums, [&](size_t c, size_t c1, __m512 (*acc)[NT]) {
+    __m512i wv[NR][2];
+    for (int rr = 0; rr < NR; ++rr) {
+      if (pf != 0) Pf(w[rr] + c + pf);
+      const __m512i code =
+          c + 64 <= c1 ? _mm512_loadu_si512(w[rr] + c)
+                       : _mm512_zextsi256_si512(
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[rr] + c)));
+      dec.DecodeBf16(code, wv[rr][0], wv[rr][1]);
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m512i x0 = _mm512_loadu_si512(acts[t].xb + c);
+      const __m512i x1 = _mm512_loadu_si512(acts[t].xb + c + 32);
+      for (int rr = 0; rr < NR; ++rr) {
+        acc[rr][t] = _mm512_dpbf16_ps(acc[rr][t], (__m512bh)wv[rr][0], (__m512bh)x0);
+        acc[rr][t] = _mm512_dpbf16_ps(acc[rr][t], (__m512bh)wv[rr][1], (__m512bh)x1);
+      }
+    }
+  });
 }
 #endif
 
@@ -1418,33 +1429,13 @@ HWY_INLINE void Fp8DotRows(const uint8_t* const* w, const float* const* scale_ro
     return Fp8DotRowsBf16<NR, NT>(w, scale_row, cols, pf, acts, sums);
   }
   const Fp8Decoder dec;
-  __m512 total[NR][NT];
-  for (int rr = 0; rr < NR; ++rr) {
-    for (int t = 0; t < NT; ++t) total[rr][t] = _mm512_setzero_ps();
-  }
-  for (size_t c0 = 0; c0 < cols; c0 += common::kFp8BlockSize) {
-    const size_t c1 = std::min(cols, c0 + common::kFp8BlockSize);
-    __m512 acc[NR][NT];
-    for (int rr = 0; rr < NR; ++rr) {
-      for (int t = 0; t < NT; ++t) acc[rr][t] = _mm512_setzero_ps();
+  Fp8Blocks<NR, NT>(scale_row, cols, sums, [&](size_t c, size_t c1, __m512 (*acc)[NT]) {
+    if (c + 64 <= c1) {
+      Fp8DotChunk<NR, NT, false>(dec, w, c, pf, acts, acc);
+    } else {
+      Fp8DotChunk<NR, NT, true>(dec, w, c, pf, acts, acc);
     }
-    // 64-column chunks never straddle a 128-column block; only a row's last chunk can be short.
-    size_t c = c0;
-    for (; c + 64 <= c1; c += 64) Fp8DotChunk<NR, NT, false>(dec, w, c, pf, acts, acc);
-    if (c < c1) Fp8DotChunk<NR, NT, true>(dec, w, c, pf, acts, acc);
-    for (int rr = 0; rr < NR; ++rr) {
-      const __m512 s = _mm512_set1_ps(scale_row[rr][c0 / common::kFp8BlockSize]);
-      for (int t = 0; t < NT; ++t) {
-        total[rr][t] = _mm512_fmadd_ps(acc[rr][t], s, total[rr][t]);
-      }
-    }
-  }
-  const hn::ScalableTag<float> df;
-  for (int rr = 0; rr < NR; ++rr) {
-    for (int t = 0; t < NT; ++t) {
-      sums[rr][t] += hn::GetLane(hn::SumOfLanes(df, hn::Vec<decltype(df)>{total[rr][t]}));
-    }
-  }
+  });
 #else
   const hn::ScalableTag<float> df;
   // Bit manipulation on 2 * Lanes(df) values at once in u16 lanes, then two f16 -> f32 widenings.
