@@ -98,6 +98,8 @@ HWY_INLINE void Pf(const void* p) { hwy::Prefetch(p); }
 //   xf[c + 16v + j] = x[c + 16(j/4) + 8(v/2) + 2(j%4) + v%2]   (v < 4, j < 16);
 // when k % 64 == 32, the last 32 columns (c = k - 32) likewise as 4 vectors of 8 (j < 8):
 //   xf[c + 8v + j].
+// fp8 by the bf16 dot product (kBf16Dot): xb = bf16(x) in the table decode's bf16 order, chunk
+// by chunk (Fp8Pos), the last chunk zero-padded to 64 (Bf16PitchOf).
 struct ActView {
   // Quantized formats: one vector of 2k bytes per activation, [lo k/2][hi k/2][xs k/8 floats]
   // [neg k/8 int32], so that with b the packed byte index, lo[b], hi[b], xs[b/4] and neg[b/4]
@@ -1705,8 +1707,10 @@ void ForwardFormat(ForwardPlan& plan) {
     amx_col[gi + 1] = amx_col[gi] + (amx_for(n) ? n : 0);
   }
   const size_t nch_h = (H + 63) / 64, nch_i = (I + 63) / 64;
-  std::vector<uint32_t> amx_bx(amx_col.back() * 32 * nch_h);
-  std::vector<uint32_t> amx_bh(amx_col.back() * 32 * nch_i);
+  // Uninitialized: every element is written before it is read (AmxPackGroup; AmxPutBf16 for
+  // every column of h, AmxZeroTail for the rows of a short last chunk that hold none).
+  common::AlignedBuffer<uint32_t> amx_bx(amx_col.back() * 32 * nch_h);
+  common::AlignedBuffer<uint32_t> amx_bh(amx_col.back() * 32 * nch_i);
 #if HWY_TARGET == HWY_AVX3_DL
   if constexpr (kBf16Dot) {
     if (amx_col.back() > 0) {

@@ -81,9 +81,6 @@ size_t TableIndex(int64_t targets) {
 
 int64_t BestTarget(int64_t targets) { return targets & -targets; }
 
-// AVX512_BF16 (vdpbf16ps), which Highway's AVX3_DL target does not require (Ice Lake has AVX3_DL
-// without it). Detected once, like CompiledSupported: CPU features do not change while the
-// process runs.
 // AMX-TILE and AMX-BF16, and Linux's permission for the tile data state (arch_prctl
 // ARCH_REQ_XCOMP_PERM, process-wide, requested once: without it the first tile instruction
 // faults). Like the other CPU features, it does not change while the process runs.
@@ -101,6 +98,9 @@ bool AmxAvailable() {
 #endif
 }
 
+// AVX512_BF16 (vdpbf16ps), which Highway's AVX3_DL target does not require (Ice Lake has AVX3_DL
+// without it). Detected once, like CompiledSupported: CPU features do not change while the
+// process runs.
 bool CpuHasAvx512Bf16() {
 #if defined(__x86_64__) || defined(__i386__)
   static const bool has = __builtin_cpu_supports("avx512bf16");
@@ -338,7 +338,7 @@ absl::Status ValidateTuning(const Options& o) {
   if (o.amx_min_routes < 0) {
     return absl::InvalidArgumentError(absl::StrCat("amx_min_routes (MOE_CPU_AMX_MIN_ROUTES) = ",
                                                    o.amx_min_routes,
-                                                   " must be >= 0 (0: no bf16 expert through AMX) "
+                                                   " must be >= 0 (0: no expert through AMX) "
                                                    "or -1 (auto)"));
   }
   if (o.row_streams != Options::kAuto && o.row_streams != 2 && o.row_streams != 4) {

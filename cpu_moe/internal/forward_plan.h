@@ -28,13 +28,14 @@ struct ForwardPlan {
   DType x_dtype;
   void* y;
   DType y_dtype;
-  // bf16 bank on the AVX3_DL target of a CPU with AVX512_BF16, and options->bf16_dot_product:
-  // the row kernels use vdpbf16ps against bf16-rounded activations. Decided once per call by
+  // bf16 or fp8 bank on the AVX3_DL target of a CPU with AVX512_BF16, and
+  // options->bf16_dot_product: the row kernels use vdpbf16ps (or AMX, below) against
+  // bf16-rounded activations. Decided once per call by
   // Forward; the other targets never see it set.
   bool bf16_dot_product = false;
-  // AMX tiles (tdpbf16ps) where the CPU has AMX-TILE and AMX-BF16, Linux granted the tile state,
-  // and options->amx: every fp8 expert (then bf16_dot_product is set too: the activations are
-  // bf16), bf16 experts with at least amx_min_routes routes (with bf16_dot_product).
+  // AMX tiles (tdpbf16ps) for experts with at least amx_min_routes routes (> 0): set only with
+  // bf16_dot_product (bf16 and fp8 banks), where the CPU has AMX-TILE and AMX-BF16, Linux granted
+  // the tile state, and options->amx.
   bool amx = false;
   int amx_min_routes = 0;
 
