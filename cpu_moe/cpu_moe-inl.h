@@ -1021,16 +1021,16 @@ HWY_INLINE void Fp8DotChunk(const Fp8Decoder& dec, const uint8_t* const* w, size
 
 #if HWY_TARGET == HWY_AVX3_DL
 // ---------------------------------------------------------------------------------------------
-// AMX (ForwardPlan::amx): fp8 experts, and bf16 experts with many routes, through tdpbf16ps.
+// AMX (ForwardPlan::amx): experts with at least amx_min_routes routes, through tdpbf16ps.
 //
 // One tdpbf16ps multiplies an A tile of m <= 16 weight rows x 32 bf16 columns by a B tile of the
 // routes' bf16 activations (16 rows of column pairs x nr <= 16 routes) into a C tile of m x nr
 // fp32 sums, so the work per weight byte no longer grows with the routes: vdpbf16ps (or fp8's
 // fp32 FMAs) does one instruction per 32 (16) weights per route, AMX one per 512 weights for up
-// to 16 routes. The weight rows are first decoded (fp8: the table decode above, exact) or copied
-// (bf16) 64 columns at a time into an L1 scratch from which the A tiles load: tile loads straight
-// from rows 2-4 KiB apart were latency-bound at 11-15 GB/s per core (session 3's attempt), the
-// scratch runs at 20-28 GB/s hot on the dev box whatever the routes (benchmarks/amx_notes.md).
+// to 16 routes. A tile's rows are first staged whole (fp8: the table decode above, exact; bf16:
+// copied) into an L2 scratch from which the A tiles load (AmxStager): tile loads straight from
+// rows 2-4 KiB apart were latency-bound at 11-15 GB/s per core (session 3's attempt); staging
+// and tile loads do not overlap on these cores, see benchmarks/h200host_tuning_2026-11-30_session4.md.
 // Two row sets go together (pass 1: gate and up rows; pass 2: rows p and p + n/2 of a block), as
 // in the vector kernels, with their own C tiles.
 //
@@ -1164,9 +1164,9 @@ struct AmxStager {
 template <bool kFp8>
 HWY_INLINE void AmxRowsTile(const uint16_t* sa, const uint16_t* sb, size_t spitch, int m,
                             size_t k, const float* scale_a, const float* scale_b,
-                            const uint32_t* bpack, int nr, AmxStager<kFp8>& next,
-                            float* HWY_RESTRICT acc_a, float* HWY_RESTRICT acc_b) {
-  const Fp8Decoder dec;
+                            const uint32_t* bpack, int nr, const Fp8Decoder& dec,
+                            AmxStager<kFp8>& next, float* HWY_RESTRICT acc_a,
+                            float* HWY_RESTRICT acc_b) {
   alignas(64) float cbuf[256];
   const size_t nch = (k + 63) / 64;
   const int count = m * nr;
@@ -1229,7 +1229,7 @@ class AmxScope {
   int nr_ = -1;
 };
 
-// A group's packed B (AmxGroupB): its n routes in subgroups of 16, subgroup s (routes
+// A group's packed B: its n routes in subgroups of 16, subgroup s (routes
 // [16s, 16s + nr)) at dword 32 * nch * 16s, laid out by AmxPackB with nr columns (nch: 64-column
 // chunks of the contraction dimension).
 HWY_INLINE size_t AmxSubgroupOffset(size_t nch, int s0) { return 32 * nch * s0; }
@@ -1339,7 +1339,7 @@ HWY_INLINE void AmxDotRows(const MatrixRef& mat, size_t e, size_t a_row0, long b
       AmxRowsTile<kFp8>(cur.sa, two ? cur.sb : nullptr, spitch, cur.m, k,
                         kFp8 ? scales + (ra / common::kFp8BlockSize) * bcols : nullptr,
                         kFp8 && two ? scales + (rb / common::kFp8BlockSize) * bcols : nullptr,
-                        bpack, nr, next, acc_a, acc_b);
+                        bpack, nr, dec, next, acc_a, acc_b);
       next.Advance(dec, next.total);  // whatever the interleaving left
       for (size_t j = 0; j < m; ++j) {
         for (int i = 0; i < nr; ++i) {
