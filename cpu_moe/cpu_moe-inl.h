@@ -25,6 +25,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -149,33 +150,56 @@ HWY_INLINE constexpr size_t Bf16PitchOf(size_t k) {
   return F == common::WeightFormat::kFp8Block ? (k + 63) / 64 * 64 : k;
 }
 
+// dst[j] = common::FloatToBf16(src[j]) for j < n, vectorized (the same rounding to nearest
+// even; NaN stays a quiet NaN with its sign and top payload bits).
+HWY_INLINE void FloatsToBf16(const float* HWY_RESTRICT src, size_t n,
+                             uint16_t* HWY_RESTRICT dst) {
+  const hn::ScalableTag<uint32_t> du;
+  const hn::RebindToSigned<decltype(du)> di;
+  const hn::Rebind<uint16_t, decltype(du)> d16;
+  const size_t N = hn::Lanes(du);
+  size_t j = 0;
+  for (; j + N <= n; j += N) {
+    const auto u = hn::LoadU(du, reinterpret_cast<const uint32_t*>(src + j));
+    const auto hi = hn::ShiftRight<16>(u);
+    const auto rounded =
+        hn::ShiftRight<16>(hn::Add(hn::Add(u, hn::Set(du, 0x7FFFu)), hn::And(hi, hn::Set(du, 1u))));
+    // |bits| > inf's as int32 (both sides are non-negative there).
+    const auto is_nan = hn::RebindMask(
+        du, hn::Gt(hn::BitCast(di, hn::And(u, hn::Set(du, 0x7FFFFFFFu))), hn::Set(di, 0x7F800000)));
+    const auto r = hn::IfThenElse(is_nan, hn::Or(hi, hn::Set(du, 0x40u)), rounded);
+    hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, r)), d16, dst + j);
+  }
+  for (; j < n; ++j) dst[j] = common::FloatToBf16(src[j]);
+}
+
 // Storage for n activation vectors of length k in format F's layout (kBf16Dot: bf16 rounded, for
 // the CPU's bf16 dot product).
 template <common::WeightFormat F, bool kBf16Dot = false>
 class ActSet {
  public:
-  // block_lane: lay quantized activations out for QuantDotBlockLane (MatrixRef::block_lane).
-  ActSet(size_t n, size_t k, bool block_lane) : k_(k), n_(n), block_lane_(block_lane) {
-    if constexpr (IsQuant<F>()) {
-      i8_ = std::make_unique<common::AlignedBuffer<int8_t>>(std::max<size_t>(1, n * 2 * k));
-    } else if constexpr (kBf16Dot) {
-      u16_ = std::make_unique<common::AlignedBuffer<uint16_t>>(std::max<size_t>(1, n * Bf16Pitch(k)));
-    } else {
-      f32_ = std::make_unique<common::AlignedBuffer<float>>(std::max<size_t>(1, n * k));
-    }
+  // Bytes of storage for n vectors of length k.
+  static size_t Bytes(size_t n, size_t k) {
+    if constexpr (IsQuant<F>()) return n * 2 * k;
+    if constexpr (kBf16Dot) return n * Bf16Pitch(k) * sizeof(uint16_t);
+    return n * k * sizeof(float);
   }
+  // block_lane: lay quantized activations out for QuantDotBlockLane (MatrixRef::block_lane).
+  // storage: Bytes(n, k) bytes, 64-byte aligned, which must outlive the set.
+  ActSet(size_t n, size_t k, bool block_lane, void* storage)
+      : k_(k), n_(n), block_lane_(block_lane), mem_(static_cast<uint8_t*>(storage)) {}
 
   ActView View(size_t i) const {
     ActView v{};
     if constexpr (IsQuant<F>()) {
-      v.q = i8_->data() + i * 2 * k_;
+      v.q = reinterpret_cast<const int8_t*>(mem_) + i * 2 * k_;
     } else if constexpr (kBf16Dot) {
-      v.xb = u16_->data() + i * Bf16Pitch(k_);
+      v.xb = reinterpret_cast<const uint16_t*>(mem_) + i * Bf16Pitch(k_);
     } else if constexpr (F == common::WeightFormat::kBf16) {
-      v.xe = f32_->data() + i * k_;
+      v.xe = reinterpret_cast<const float*>(mem_) + i * k_;
       v.xo = v.xe + k_ / 2;
     } else {
-      v.xf = f32_->data() + i * k_;
+      v.xf = reinterpret_cast<const float*>(mem_) + i * k_;
     }
     return v;
   }
@@ -212,63 +236,71 @@ class ActSet {
           const auto qi = hn::NearestInt(v);
           hn::StoreU(hn::DemoteTo(hn::Rebind<int8_t, decltype(df)>(), qi), hn::Rebind<int8_t, decltype(df)>(), q + j);
         }
-        // The block's 16 packed bytes' activation codes in packed-byte order (see ActView).
-        int8_t bl[16], bh[16];
-        for (int p = 0; p < 16; ++p) {
-          if constexpr (F == common::WeightFormat::kQ4_0) {
-            bl[p] = q[p];
-            bh[p] = q[16 + p];
-          } else {
-            bl[p] = q[2 * p];
-            bh[p] = q[2 * p + 1];
-          }
+        // The block's 16 packed bytes' activation codes in packed-byte order (see ActView): q4_0
+        // keeps the two halves of the block, the fp4 formats split even and odd elements. (Every
+        // target here is x86 with SSE4, so 128-bit intrinsics serve all of them.)
+        __m128i bl = _mm_load_si128(reinterpret_cast<const __m128i*>(q));
+        __m128i bh = _mm_load_si128(reinterpret_cast<const __m128i*>(q + 16));
+        if constexpr (F != common::WeightFormat::kQ4_0) {
+          const __m128i even_odd =
+              _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+          const __m128i a = _mm_shuffle_epi8(bl, even_odd), c = _mm_shuffle_epi8(bh, even_odd);
+          bl = _mm_unpacklo_epi64(a, c);
+          bh = _mm_unpackhi_epi64(a, c);
         }
         if (16 * (b + 1) <= BlockLaneBytes(k_ / 2, block_lane_)) {
           // Block-lane layout (QuantDotBlockLane): packed byte v = 128c + 8j + 4s + m of a
           // 128-byte chunk c goes to 128c + 64s + 4j + m, and lane j's scale and correction to
           // index 16c + j; this block holds bytes [16t, 16t + 16) of chunk c = b / 8, t = b % 8,
-          // i.e. lanes j = 2t + h.
+          // i.e. lanes j = 2t + h: its 4-byte words 0 and 2 go to 128c + 8t, 1 and 3 to
+          // 128c + 64 + 8t, and lane 2t + h sums bytes [8h, 8h + 8) of both halves.
           const size_t c = b / 8, t = b % 8;
+          const __m128i lw = _mm_shuffle_epi32(bl, _MM_SHUFFLE(3, 1, 2, 0));
+          const __m128i hw = _mm_shuffle_epi32(bh, _MM_SHUFFLE(3, 1, 2, 0));
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(lo + 128 * c + 8 * t), lw);
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(lo + 128 * c + 64 + 8 * t),
+                           _mm_unpackhi_epi64(lw, lw));
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(hi + 128 * c + 8 * t), hw);
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(hi + 128 * c + 64 + 8 * t),
+                           _mm_unpackhi_epi64(hw, hw));
+          // Sums of 8 signed codes per 64-bit half: psadbw of the codes biased to unsigned.
+          const __m128i bias = _mm_set1_epi8(static_cast<char>(0x80));
+          const __m128i sad = _mm_add_epi64(_mm_sad_epu8(_mm_xor_si128(bl, bias), _mm_setzero_si128()),
+                                            _mm_sad_epu8(_mm_xor_si128(bh, bias), _mm_setzero_si128()));
           for (int h = 0; h < 2; ++h) {
-            int32_t sum = 0;
-            for (int s2 = 0; s2 < 2; ++s2) {
-              for (int m = 0; m < 4; ++m) {
-                const int v = 8 * h + 4 * s2 + m;
-                const size_t pos = 128 * c + 64 * s2 + 8 * t + 4 * h + m;
-                lo[pos] = bl[v];
-                hi[pos] = bh[v];
-                sum += bl[v] + bh[v];
-              }
-            }
+            const int32_t sum = static_cast<int32_t>(h == 0 ? _mm_cvtsi128_si64(sad)
+                                                            : _mm_extract_epi64(sad, 1)) - 2048;
             xs[16 * c + 2 * t + h] = d;
             neg[16 * c + 2 * t + h] = -QuantOffset<F>() * sum;
           }
         } else {
-          for (int p = 0; p < 16; ++p) {
-            lo[16 * b + p] = bl[p];
-            hi[16 * b + p] = bh[p];
-          }
-          for (int l = 0; l < 4; ++l) {
-            const size_t j = 4 * b + l;
-            int32_t sum = 0;
-            for (int m = 0; m < 4; ++m) sum += lo[4 * j + m] + hi[4 * j + m];
-            xs[j] = d;
-            neg[j] = -QuantOffset<F>() * sum;
-          }
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16 * b), bl);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + 16 * b), bh);
+          // Lane l = 4b + l' sums bytes [4l', 4l' + 4) of both halves.
+          const __m128i ones8 = _mm_set1_epi8(1);
+          const __m128i pairs = _mm_add_epi16(_mm_maddubs_epi16(ones8, bl),
+                                              _mm_maddubs_epi16(ones8, bh));
+          const __m128i sums = _mm_madd_epi16(pairs, _mm_set1_epi16(1));
+          _mm_storeu_ps(xs + 4 * b, _mm_set1_ps(d));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(neg + 4 * b),
+                           _mm_mullo_epi32(sums, _mm_set1_epi32(-QuantOffset<F>())));
         }
       }
     } else if constexpr (kBf16Dot && F == common::WeightFormat::kFp8Block) {
-      // fp8: the table decode's column order per 64-column chunk (Fp8Pos), a short last chunk
-      // padded with zeros.
+      // fp8: the table decode's column order per 64-column chunk (Fp8Pos: its groups of 8
+      // columns g = 0..7 in the order 0, 2, 4, 6, 1, 3, 5, 7), a short last chunk padded with
+      // zeros.
       uint16_t* xb = const_cast<uint16_t*>(v.xb);
       for (size_t c = c0 / 64 * 64; c < c1; c += 64) {
-        for (size_t jj = 0; jj < 64; ++jj) {
-          xb[c + Fp8Pos(jj)] = c + jj < k_ ? common::FloatToBf16(x[c + jj]) : uint16_t{0};
+        HWY_ALIGN uint16_t chunk[64] = {};
+        FloatsToBf16(x + c, std::min<size_t>(64, k_ - c), chunk);
+        for (size_t g = 0; g < 8; ++g) {
+          static_assert(Fp8Pos(8) == 32 && Fp8Pos(16) == 8, "group order of Fp8Pos");
+          std::memcpy(xb + c + Fp8Pos(8 * g), chunk + 8 * g, 8 * sizeof(uint16_t));
         }
       }
     } else if constexpr (kBf16Dot) {
-      uint16_t* xb = const_cast<uint16_t*>(v.xb);
-      for (size_t j = c0; j < c1; ++j) xb[j] = common::FloatToBf16(x[j]);
+      FloatsToBf16(x + c0, c1 - c0, const_cast<uint16_t*>(v.xb) + c0);
     } else if constexpr (F == common::WeightFormat::kBf16) {
       float* xe = const_cast<float*>(v.xe);
       float* xo = const_cast<float*>(v.xo);
@@ -313,9 +345,7 @@ class ActSet {
   size_t k_;
   size_t n_;
   bool block_lane_;
-  std::unique_ptr<common::AlignedBuffer<int8_t>> i8_;
-  std::unique_ptr<common::AlignedBuffer<uint16_t>> u16_;
-  std::unique_ptr<common::AlignedBuffer<float>> f32_;
+  uint8_t* mem_;
 };
 
 // sums[i / nt][i % nt] += (sum of the lanes of v[i]) for i < n = nr * nt: the horizontal sums at
@@ -422,6 +452,15 @@ HWY_INLINE hn::Vec<D32> DotAcc(D32 d32, hn::Vec<D32> acc, VU u, VI x) {
 // Table from fp4 e2m1 code to 2 * value + 12 (unsigned, for u8 x s8 dot products).
 alignas(16) static constexpr uint8_t kFp4Lut[16] = {12, 13, 14, 15, 16, 18, 20, 24,
                                                     12, 11, 10, 9,  8,  6,  4,  0};
+// kFp4Lut repeated to 64 entries, for vpermb (see QuantDotBlockLane).
+struct Fp4Lut64 {
+  alignas(64) uint8_t v[64];
+  constexpr Fp4Lut64() : v() {
+    for (int i = 0; i < 64; ++i) v[i] = kFp4Lut[i % 16];
+  }
+};
+alignas(64) static constexpr Fp4Lut64 kFp4Lut64Table{};
+static constexpr const uint8_t* kFp4Lut64 = kFp4Lut64Table.v;
 
 
 // Loads the packed nibble bytes [b, b + Lanes(d8)) of a quantized row ("byte b" as in ActView).
@@ -792,6 +831,19 @@ HWY_INLINE size_t QuantDotBlockLane(const QuantRow* q, const ActView* acts, size
       ws[rr] = hn::Vec<decltype(df)>{wsr};
       const hn::Vec<decltype(d8)> raw[2] = {hn::Vec<decltype(d8)>{r0}, hn::Vec<decltype(d8)>{r1}};
       for (int h = 0; h < 2; ++h) {
+#if HWY_TARGET == HWY_AVX3_DL
+        if constexpr (F != common::WeightFormat::kQ4_0) {
+          // fp4 codes through vpermb (AVX512_VBMI), which reads only 6 bits of each index byte:
+          // over kFp4Lut repeated 4 times, a byte's low nibble alone picks its entry, so neither
+          // nibble needs masking (the 16-bit shift moves the neighbouring byte's bits only into
+          // bits 4-7). Two instructions per 64 bytes fewer than mask, shift, mask, pshufb x2.
+          const __m512i lut64 = _mm512_load_si512(reinterpret_cast<const void*>(kFp4Lut64));
+          w[rr][2 * h] = hn::Vec<decltype(d8)>{_mm512_permutexvar_epi8(raw[h].raw, lut64)};
+          w[rr][2 * h + 1] = hn::Vec<decltype(d8)>{
+              _mm512_permutexvar_epi8(_mm512_srli_epi16(raw[h].raw, 4), lut64)};
+          continue;
+        }
+#endif
         w[rr][2 * h] = hn::And(raw[h], mask);
         w[rr][2 * h + 1] = hn::And(hn::ShiftRight<4>(raw[h]), mask);
         if constexpr (F != common::WeightFormat::kQ4_0) {
@@ -1626,6 +1678,55 @@ constexpr bool kFuseRows = true;
 // rows, adding routes in group order.
 
 
+// Scratch memory of the Forward calls of one calling thread, kept between calls so that a
+// decode step allocates nothing: allocating and freeing a call's buffers (activations, h, u,
+// the per-route outputs) took several microseconds per call, a few percent of a T=1 step of a
+// 4-bit layer on the GPU machine's 16-core host. Buffers above kKeepBytes (prefill sizes) are
+// freed at the end of their call. The workers of the call's pool use the caller's buffers.
+class CallScratch {
+ public:
+  enum Slot { kXActs, kHActs, kH, kU, kPart, kXFloat, kAmxX, kAmxH, kSync, kNumSlots };
+  static constexpr size_t kKeepBytes = size_t{16} << 20;
+
+  static CallScratch& ForThisThread() {
+    static thread_local CallScratch scratch;
+    return scratch;
+  }
+
+  // At least `bytes` (>= 1) bytes, 64-byte aligned, contents undefined.
+  void* Get(Slot slot, size_t bytes) {
+    common::AlignedBuffer<uint8_t>& b = buf_[slot];
+    if (b.size() < bytes) b = common::AlignedBuffer<uint8_t>(std::max<size_t>(64, bytes));
+    return b.data();
+  }
+  template <typename T>
+  T* Get(Slot slot, size_t n) {
+    return static_cast<T*>(Get(slot, n * sizeof(T)));
+  }
+
+  // Frees the buffers larger than kKeepBytes.
+  void Trim() {
+    for (common::AlignedBuffer<uint8_t>& b : buf_) {
+      if (b.size() > kKeepBytes) b = common::AlignedBuffer<uint8_t>();
+    }
+  }
+
+ private:
+  common::AlignedBuffer<uint8_t> buf_[kNumSlots];
+};
+
+// Spins (then yields: the worker it waits for may have been preempted) until v reads 0.
+template <typename T>
+HWY_INLINE void WaitForZero(const std::atomic<T>& v) {
+  for (int spins = 0; v.load(std::memory_order_acquire) != 0; ++spins) {
+    if (spins < 4096) {
+      hwy::Pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
 // kBf16Dot: bf16 by the CPU's bf16 dot product (ForwardPlan::bf16_dot_product).
 template <common::WeightFormat F, bool kBf16Dot = false>
 void ForwardFormat(ForwardPlan& plan) {
@@ -1671,33 +1772,48 @@ void ForwardFormat(ForwardPlan& plan) {
     plan.phase_seconds[phase] = std::chrono::duration<double>(now - t).count();
     t = now;
   };
+  CallScratch& scratch = CallScratch::ForThisThread();
+  struct TrimAtEnd {
+    CallScratch& s;
+    ~TrimAtEnd() { s.Trim(); }
+  } trim_at_end{scratch};
   // Tokens that have at least one route, and the x activations of those.
   std::vector<int> token_slot(T, -1);
   std::vector<int> active_tokens;
+  active_tokens.reserve(T);
   for (size_t t = 0; t < T; ++t) {
     if (plan.token_route_begin[t + 1] > plan.token_route_begin[t]) {
       token_slot[t] = static_cast<int>(active_tokens.size());
       active_tokens.push_back(static_cast<int>(t));
     }
   }
-  ActSet<F, kBf16Dot> xacts(active_tokens.size(), H, opt.block_lane);
-  {
-    std::vector<std::vector<float>> tmp(workers);
-    pool.ParallelFor(active_tokens.size(), [&](uint64_t i, int worker) {
-      const size_t t = active_tokens[i];
-      const float* xr;
-      if (plan.x_dtype == DType::kF32) {
-        xr = static_cast<const float*>(plan.x) + t * H;
-      } else {
-        std::vector<float>& buf = tmp[worker];
-        buf.resize(H);
-        const uint16_t* xb = static_cast<const uint16_t*>(plan.x) + t * H;
-        for (size_t j = 0; j < H; ++j) buf[j] = common::Bf16ToFloat(xb[j]);
-        xr = buf.data();
-      }
-      xacts.Prepare(i, xr);
-    });
-  }
+  const size_t NT = active_tokens.size();
+  ActSet<F, kBf16Dot> xacts(NT, H, opt.block_lane,
+                            scratch.Get(CallScratch::kXActs, ActSet<F, kBf16Dot>::Bytes(NT, H)));
+  // x is prepared in items of kXChunk columns while there are fewer tokens than workers (whole
+  // rows otherwise), so that at T=1 the workers share it instead of waiting for one of them.
+  constexpr size_t kXChunk = 256;
+  static_assert(kXChunk % 64 == 0, "x chunks must hold whole activation blocks (Granule)");
+  const size_t x_chunks = NT >= static_cast<size_t>(workers) ? 1 : (H + kXChunk - 1) / kXChunk;
+  const size_t x_chunk_cols = x_chunks == 1 ? H : kXChunk;
+  const size_t nx = NT * x_chunks;
+  float* const x_float =
+      plan.x_dtype == DType::kBf16 ? scratch.Get<float>(CallScratch::kXFloat, workers * H) : nullptr;
+  auto prep_x_item = [&](size_t item, int worker) {
+    const size_t i = item / x_chunks;
+    const size_t c0 = (item % x_chunks) * x_chunk_cols, c1 = std::min(H, c0 + x_chunk_cols);
+    const size_t t = active_tokens[i];
+    const float* xr;
+    if (plan.x_dtype == DType::kF32) {
+      xr = static_cast<const float*>(plan.x) + t * H;
+    } else {
+      float* buf = x_float + worker * H;  // this worker's, at the row's offsets
+      const uint16_t* xb = static_cast<const uint16_t*>(plan.x) + t * H;
+      for (size_t j = c0; j < c1; ++j) buf[j] = common::Bf16ToFloat(xb[j]);
+      xr = buf;
+    }
+    xacts.PrepareRange(i, xr, c0, c1);
+  };
   // AMX groups' activations, packed once per call for their tiles (AmxPackGroup): x for pass 1,
   // and h for pass 2, which the pass-1 items write as they finish their rows (AmxPutBf16). Route
   // columns: amx_col[g] to amx_col[g + 1] (0 wide for the other groups).
@@ -1706,11 +1822,21 @@ void ForwardFormat(ForwardPlan& plan) {
     const int n = plan.groups[gi].end - plan.groups[gi].begin;
     amx_col[gi + 1] = amx_col[gi] + (amx_for(n) ? n : 0);
   }
+  // Overlapped passes (Options::overlap_passes): a pass-1 item also prepares its rows of h for
+  // pass 2, which takes whole activation blocks (ActSet::Granule) per item.
+  const bool overlap = opt.overlap_passes && pass1_rows % ActSet<F>::Granule() == 0;
+  // With the passes overlapped and no AMX packing (which reads all of x first), preparing x is
+  // part of the same fork-join: the pass-1 items start their weight streams and then wait for
+  // it. Otherwise it is a fork-join of its own.
+  const bool fuse_x = overlap && amx_col.back() == 0;
+  if (!fuse_x) pool.ParallelFor(nx, [&](uint64_t item, int worker) { prep_x_item(item, worker); });
   const size_t nch_h = (H + 63) / 64, nch_i = (I + 63) / 64;
   // Uninitialized: every element is written before it is read (AmxPackGroup; AmxPutBf16 for
   // every column of h, AmxZeroTail for the rows of a short last chunk that hold none).
-  common::AlignedBuffer<uint32_t> amx_bx(amx_col.back() * 32 * nch_h);
-  common::AlignedBuffer<uint32_t> amx_bh(amx_col.back() * 32 * nch_i);
+  [[maybe_unused]] uint32_t* const amx_bx =
+      scratch.Get<uint32_t>(CallScratch::kAmxX, amx_col.back() * 32 * nch_h);
+  [[maybe_unused]] uint32_t* const amx_bh =
+      scratch.Get<uint32_t>(CallScratch::kAmxH, amx_col.back() * 32 * nch_i);
 #if HWY_TARGET == HWY_AVX3_DL
   if constexpr (kBf16Dot) {
     if (amx_col.back() > 0) {
@@ -1723,8 +1849,8 @@ void ForwardFormat(ForwardPlan& plan) {
         for (int i = 0; i < n; ++i) {
           acts[i] = xacts.View(token_slot[plan.route_token[plan.group_routes[g.begin + i]]]);
         }
-        AmxPackGroup<kFp8Order>(acts.data(), n, H, amx_bx.data() + amx_col[gi] * 32 * nch_h);
-        AmxZeroTail(n, I, amx_bh.data() + amx_col[gi] * 32 * nch_i);
+        AmxPackGroup<kFp8Order>(acts.data(), n, H, amx_bx + amx_col[gi] * 32 * nch_h);
+        AmxZeroTail(n, I, amx_bh + amx_col[gi] * 32 * nch_i);
       });
     }
   }
@@ -1732,15 +1858,14 @@ void ForwardFormat(ForwardPlan& plan) {
   lap(0);
 
   // Pass 1: h[route, I] = act(gate x, up x); the up dots go to u first.
-  common::AlignedBuffer<float> h(std::max<size_t>(1, R * I));
-  common::AlignedBuffer<float> u(std::max<size_t>(1, R * I));
-  ActSet<F, kBf16Dot> hacts(R, I, opt.block_lane);
+  float* const h = scratch.Get<float>(CallScratch::kH, R * I);
+  float* const u = scratch.Get<float>(CallScratch::kU, R * I);
+  ActSet<F, kBf16Dot> hacts(R, I, opt.block_lane,
+                            scratch.Get(CallScratch::kHActs, ActSet<F, kBf16Dot>::Bytes(R, I)));
   const size_t G = plan.groups.size();
   const size_t nrb = (I + pass1_rows - 1) / pass1_rows;
   const size_t row_bytes1 = RowBytes(F, H);
-  // Overlapped passes (Options::overlap_passes): a pass-1 item also prepares its rows of h for
-  // pass 2, which takes whole activation blocks (ActSet::Granule) per item.
-  const bool overlap = opt.overlap_passes && pass1_rows % ActSet<F>::Granule() == 0;
+  std::atomic<size_t> x_left{fuse_x ? nx : 0};  // x items not yet done (fuse_x)
   auto pass1_item = [&](size_t item) {
     const internal::ExpertGroup& g = plan.groups[item / nrb];
     const size_t r0 = (item % nrb) * pass1_rows;
@@ -1762,21 +1887,24 @@ void ForwardFormat(ForwardPlan& plan) {
       PrefetchRow(gate_up, g.expert, r0 + (r1 - r0) / 2, row_bytes1);
       PrefetchRow(gate_up, g.expert, I + r0 + (r1 - r0) / 2, row_bytes1);
     }
+    // With fuse_x, the x items come first in the fork-join and were claimed by workers that
+    // wait on nothing; the weight streams above are already under way meanwhile.
+    WaitForZero(x_left);
     for (int c0 = 0; c0 < n; c0 += 64) {
       const int nc = std::min(64, n - c0);
       for (int i = 0; i < nc; ++i) {
         const size_t route = plan.group_routes[g.begin + c0 + i];
         route_of[i] = route;
         acts[i] = xacts.View(token_slot[plan.route_token[route]]);
-        hrow[i] = h.data() + route * I;
-        urow[i] = u.data() + route * I;
+        hrow[i] = h + route * I;
+        urow[i] = u + route * I;
       }
 #if HWY_TARGET == HWY_AVX3_DL
       if constexpr (kBf16Dot) {
         if (use_amx) {
           // (Groups of more than 64 routes: the subgroups of this chunk of 64.)
           AmxDotRows<F>(gate_up, g.expert, r0, static_cast<long>(I + r0), r1 - r0,
-                        amx_bx.data() + (amx_col[item / nrb] + c0) * 32 * nch_h, nc,
+                        amx_bx + (amx_col[item / nrb] + c0) * 32 * nch_h, nc,
                         [&](int set, size_t j, int i, float v) {
                           (set == 0 ? hrow : urow)[i][r0 + j] = v;
                         });
@@ -1816,7 +1944,7 @@ void ForwardFormat(ForwardPlan& plan) {
         if constexpr (kBf16Dot) {
           if (use_amx) {
             AmxPutBf16<F == common::WeightFormat::kFp8Block>(
-                amx_bh.data() + amx_col[item / nrb] * 32 * nch_i, n, I, c0 + i, r0, r1, hrow[i]);
+                amx_bh + amx_col[item / nrb] * 32 * nch_i, n, I, c0 + i, r0, r1, hrow[i]);
             continue;
           }
         }
@@ -1838,7 +1966,7 @@ void ForwardFormat(ForwardPlan& plan) {
   // (benchmarks/h200host_tuning_2026-11-30_session2.md).
   const size_t nhb = (H + pass2_rows - 1) / pass2_rows;
   const size_t row_bytes2 = RowBytes(F, I);
-  common::AlignedBuffer<float> part(std::max<size_t>(1, R * H));
+  float* const part = scratch.Get<float>(CallScratch::kPart, R * H);
   auto pass2_item = [&](size_t item) {
     const internal::ExpertGroup& g = plan.groups[item / nhb];
     const size_t h0 = (item % nhb) * pass2_rows, h1 = std::min(H, h0 + pass2_rows);
@@ -1864,7 +1992,7 @@ void ForwardFormat(ForwardPlan& plan) {
       for (int i = 0; i < nc; ++i) {
         const size_t route = plan.group_routes[g.begin + c0 + i];
         acts[i] = hacts.View(route);
-        dst[i] = part.data() + route * H;
+        dst[i] = part + route * H;
         wt[i] = plan.route_weight[route];
       }
 #if HWY_TARGET == HWY_AVX3_DL
@@ -1873,7 +2001,7 @@ void ForwardFormat(ForwardPlan& plan) {
           // Rows [h0, h0 + nb/2) and [h0 + nb/2, h1) as the two sets (nb = h1 - h0 is even).
           const size_t hb = (h1 - h0) / 2;
           AmxDotRows<F>(down, g.expert, h0, static_cast<long>(h0 + hb), hb,
-                        amx_bh.data() + (amx_col[item / nhb] + c0) * 32 * nch_i, nc,
+                        amx_bh + (amx_col[item / nhb] + c0) * 32 * nch_i, nc,
                         [&](int set, size_t j, int i, float v) {
                           dst[i][h0 + set * hb + j] = wt[i] * v;
                         });
@@ -1903,9 +2031,9 @@ void ForwardFormat(ForwardPlan& plan) {
   auto reduce_y = [&](size_t t, size_t h0, size_t h1) {
     float sum[kYBlock];
     const int rb = plan.token_route_begin[t], re = plan.token_route_begin[t + 1];
-    std::copy(part.data() + rb * H + h0, part.data() + rb * H + h1, sum);
+    std::copy(part + rb * H + h0, part + rb * H + h1, sum);
     for (int route = rb + 1; route < re; ++route) {
-      const float* pr = part.data() + route * H;
+      const float* pr = part + route * H;
       for (size_t j = h0; j < h1; ++j) sum[j - h0] += pr[j];
     }
     if (plan.y_dtype == DType::kF32) {
@@ -1924,7 +2052,7 @@ void ForwardFormat(ForwardPlan& plan) {
     // Four fork-joins: pass 1, prep h, pass 2, y.
     pool.ParallelFor(G * nrb, [&](uint64_t item, int) { pass1_item(item); });
     lap(1);
-    pool.ParallelFor(R, [&](uint64_t r, int) { hacts.Prepare(r, h.data() + r * I); });
+    pool.ParallelFor(R, [&](uint64_t r, int) { hacts.Prepare(r, h + r * I); });
     lap(2);
     pool.ParallelFor(G * nhb, [&](uint64_t item, int) { pass2_item(item); });
     const size_t nyb = (H + kYBlock - 1) / kYBlock;
@@ -1943,15 +2071,25 @@ void ForwardFormat(ForwardPlan& plan) {
   // pass-2 item waits (rarely) until its group's pass-1 items are all done; they were claimed
   // earlier by workers that wait on nothing, so the wait ends. The worker that completes the
   // last group of an H-block sums that block of y, so no further join is needed.
-  std::unique_ptr<std::atomic<int>[]> pending1(new std::atomic<int>[G]);
-  for (size_t g = 0; g < G; ++g) pending1[g].store(static_cast<int>(nrb), std::memory_order_relaxed);
-  std::unique_ptr<std::atomic<int>[]> pending2(new std::atomic<int>[nhb]);
-  for (size_t b = 0; b < nhb; ++b) pending2[b].store(static_cast<int>(G), std::memory_order_relaxed);
+  // With fuse_x, the x items come first (see fuse_x).
+  std::atomic<int>* const pending1 = static_cast<std::atomic<int>*>(
+      scratch.Get(CallScratch::kSync, (G + nhb) * sizeof(std::atomic<int>)));
+  std::atomic<int>* const pending2 = pending1 + G;
+  for (size_t g = 0; g < G; ++g) new (&pending1[g]) std::atomic<int>(static_cast<int>(nrb));
+  for (size_t b = 0; b < nhb; ++b) new (&pending2[b]) std::atomic<int>(static_cast<int>(G));
   std::atomic<size_t> pass1_left{G * nrb};
-  Clock::time_point pass1_end{};  // written by the worker that finishes pass 1's last item
   const Clock::time_point start = Clock::now();
+  Clock::time_point x_end = start;  // written by the worker that finishes the last x item
+  Clock::time_point pass1_end{};    // written by the worker that finishes pass 1's last item
+  const size_t n0 = fuse_x ? nx : 0;
   const size_t n1 = G * nrb;
-  pool.ParallelFor(n1 + G * nhb, [&](uint64_t item, int) {
+  pool.ParallelFor(n0 + n1 + G * nhb, [&](uint64_t item, int worker) {
+    if (item < n0) {
+      prep_x_item(item, worker);
+      if (x_left.fetch_sub(1, std::memory_order_acq_rel) == 1) x_end = Clock::now();
+      return;
+    }
+    item -= n0;
     if (item < n1) {
       pass1_item(item);
       pending1[item / nrb].fetch_sub(1, std::memory_order_release);
@@ -1959,13 +2097,7 @@ void ForwardFormat(ForwardPlan& plan) {
       return;
     }
     item -= n1;
-    for (int spins = 0; pending1[item / nhb].load(std::memory_order_acquire) != 0; ++spins) {
-      if (spins < 4096) {
-        hwy::Pause();
-      } else {
-        std::this_thread::yield();  // a pass-1 worker may have been preempted
-      }
-    }
+    WaitForZero(pending1[item / nhb]);
     pass2_item(item);
     const size_t b = item % nhb;
     if (pending2[b].fetch_sub(1, std::memory_order_acq_rel) == 1) {
@@ -1974,7 +2106,8 @@ void ForwardFormat(ForwardPlan& plan) {
     }
   });
   const Clock::time_point end = Clock::now();
-  plan.phase_seconds[1] = std::chrono::duration<double>(pass1_end - start).count();
+  if (fuse_x) plan.phase_seconds[0] += std::chrono::duration<double>(x_end - start).count();
+  plan.phase_seconds[1] = std::chrono::duration<double>(pass1_end - x_end).count();
   plan.phase_seconds[2] = 0.0;  // done inside pass 1
   plan.phase_seconds[3] = std::chrono::duration<double>(end - pass1_end).count();
 }

@@ -425,6 +425,9 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   plan.amx = amx && resolved.amx_min_routes > 0;
   plan.amx_min_routes = resolved.amx_min_routes;
   plan.token_route_begin.assign(num_tokens + 1, 0);
+  plan.route_token.reserve(routes_total);
+  plan.route_expert.reserve(routes_total);
+  plan.route_weight.reserve(routes_total);
   for (int t = 0; t < num_tokens; ++t) {
     for (int j = 0; j < top_k; ++j) {
       const int32_t e = expert_ids[t * top_k + j];
@@ -454,13 +457,15 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   if (dedup) {
     for (int e = 0; e < bank.num_experts; ++e) count[e + 1] += count[e];
     plan.group_routes.resize(num_routes);
-    std::vector<int> pos(count.begin(), count.end() - 1);
-    for (int r = 0; r < num_routes; ++r) plan.group_routes[pos[plan.route_expert[r]]++] = r;
+    plan.groups.reserve(unique);
     for (int e = 0; e < bank.num_experts; ++e) {
       if (count[e + 1] > count[e]) plan.groups.push_back({e, count[e], count[e + 1]});
     }
+    // count[e] becomes the next free position of expert e's routes.
+    for (int r = 0; r < num_routes; ++r) plan.group_routes[count[plan.route_expert[r]]++] = r;
   } else {
     plan.group_routes.resize(num_routes);
+    plan.groups.reserve(num_routes);
     for (int r = 0; r < num_routes; ++r) {
       plan.group_routes[r] = r;
       plan.groups.push_back({plan.route_expert[r], r, r + 1});

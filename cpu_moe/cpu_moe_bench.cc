@@ -25,6 +25,8 @@
 // --ab=... runs variants of the env switches side by side instead (see RunAb below), e.g.
 //   cpu_moe_bench --ab=q4_0/256/1/1 --variant=pf1k:MOE_CPU_PREFETCH_BYTES=1024
 //                 --variant=pf2k:MOE_CPU_PREFETCH_BYTES=2048
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -79,6 +81,13 @@ double DramNow() {
     return p;
   }();
   return probe->Measure(g_probe_rounds);
+}
+
+// Minor page faults of the process so far (getrusage).
+long MinorFaults() {
+  rusage u;
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
 }
 
 // The process's AnonHugePages line of /proc/self/smaps_rollup ("?" where unreadable): how much
@@ -215,6 +224,7 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
   double seconds = 0.0, unique_sum = 0.0;
   double phase[4] = {0, 0, 0, 0};
   ForwardStats fs;
+  const long faults_before = MinorFaults();
   for (auto _ : state) {
     const ExpertBank& bank = banks.banks[step % banks.banks.size()];
     const int s = static_cast<int>(step % kRoutings);
@@ -234,6 +244,7 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
     unique_sum += unique[s];
     ++step;
   }
+  const long faults = MinorFaults() - faults_before;
   // The physical limit: the higher of the readings just before and just after the case.
   const double dram = std::max(dram_before, DramNow());
   const double steps = static_cast<double>(step);
@@ -250,6 +261,9 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
   state.counters["routes"] = routes;
   state.counters["model_ms"] = (dedup ? ub : routes * per_expert) / (dram * 1e9) * 1e3;
   state.counters["bf16_dot"] = fs.bf16_dot_product ? 1 : 0;
+  // Page faults the process took per step (the kernel zeroing pages that a call's scratch got
+  // back from the allocator); 0 when every call reuses memory that is already mapped.
+  state.counters["faults_per_step"] = faults / steps;
   // Where the time goes: each phase's ms per step, the rest of the call (planning, allocation)
   // as other_ms, and the two passes' own read rates against DRAM (pass 1 reads gate_up, pass 2
   // down; with dedup each unique expert once, without it once per route).
@@ -292,7 +306,7 @@ void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int T) {
   Options opt = Options::FromEnv();
   opt.debug = false;
   ForwardStats fs;
-  double p1 = 0.0, p2 = 0.0;
+  double p1 = 0.0, p2 = 0.0, prep = 0.0;
   for (auto _ : state) {
     const absl::Status st =
         Forward(hb->bank, T, kTopK, ids, w, x, absl::MakeSpan(y), opt, Pool(), &fs);
@@ -302,6 +316,7 @@ void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int T) {
     }
     p1 += fs.pass1_seconds;
     p2 += fs.pass2_seconds;
+    prep += fs.prep_x_seconds + fs.prep_h_seconds;
   }
   const double iters = static_cast<double>(state.iterations());
   state.counters["gbps_hot"] = benchmark::Counter(
@@ -310,6 +325,8 @@ void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int T) {
   // Each pass's own rate (its matrix's bytes / its time).
   state.counters["pass1_gbps_hot"] = hb->bank.GateUpBytesPerExpert() * kE * 1e-9 * iters / p1;
   state.counters["pass2_gbps_hot"] = hb->bank.DownBytesPerExpert() * kE * 1e-9 * iters / p2;
+  // Preparing the activations (x; h when the passes are not overlapped), us per step.
+  state.counters["prep_us"] = 1e6 * prep / iters;
   state.counters["bf16_dot"] = fs.bf16_dot_product ? 1 : 0;
 }
 

@@ -37,9 +37,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -432,6 +434,62 @@ TEST_F(CpuMoeTest, StatsReportPhaseTimes) {
   EXPECT_EQ(none.routes, 0);
   EXPECT_EQ(none.pass1_seconds, 0.0);
   EXPECT_EQ(none.pass2_seconds, 0.0);
+}
+
+// Forward keeps its scratch memory per calling thread between calls (and frees buffers above
+// 16 MiB after their call), and splits x's preparation into column chunks among the workers
+// while there are fewer tokens than workers. A call's result must not depend on what the thread
+// ran before: each case, run after calls of other sizes and formats on this thread (growing,
+// shrinking and trimming its buffers), must equal bit for bit the same case run first on a
+// fresh thread. The cases include T = 1 with bf16 x (chunked preparation from bf16) and a
+// prefill-sized call whose per-route buffers exceed 16 MiB.
+TEST_F(CpuMoeTest, ScratchReuseDoesNotChangeResults) {
+  struct Case {
+    WeightFormat format;
+    int T;
+    bool bf16_x;
+  };
+  const Case cases[] = {{WeightFormat::kQ4_0, 64, false},  {WeightFormat::kQ4_0, 1, true},
+                        {WeightFormat::kFp8Block, 1, true}, {WeightFormat::kQ4_0, 2400, false},
+                        {WeightFormat::kBf16, 2, false},    {WeightFormat::kMxfp4, 1, false},
+                        {WeightFormat::kQ4_0, 1, false},    {WeightFormat::kFp8Block, 16, false}};
+  std::vector<HostBank> banks;
+  for (WeightFormat f : kFormats) banks.push_back(MakeRandomBank(f, kE, kH, kI, 61, false));
+  std::mt19937_64 rng(17);
+  std::vector<Routing> routings;
+  std::vector<std::vector<float>> xs;
+  for (const Case& c : cases) {
+    routings.push_back(MakeRouting(c.T, kE, kTopK, 0.5, rng));
+    xs.push_back(RandomX(c.T, kH, rng));
+    for (float& v : xs.back()) v = common::Bf16ToFloat(common::FloatToBf16(v));
+  }
+  auto run = [&](size_t i) {
+    const Case& c = cases[i];
+    const HostBank& hb = banks[static_cast<size_t>(c.format)];
+    Options o;
+    o.onednn_min_tokens_per_expert = 0;
+    std::vector<float> y(xs[i].size(), 0.0f);
+    std::vector<uint16_t> xb(xs[i].size());
+    for (size_t j = 0; j < xb.size(); ++j) xb[j] = common::FloatToBf16(xs[i][j]);
+    const void* x = c.bf16_x ? static_cast<const void*>(xb.data()) : xs[i].data();
+    EXPECT_TRUE(Forward(hb.bank, c.T, kTopK, routings[i].ids, routings[i].weights, x,
+                        c.bf16_x ? DType::kBf16 : DType::kF32, y.data(), DType::kF32, o, pool_)
+                    .ok());
+    return y;
+  };
+  for (size_t f = 0; f < banks.size(); ++f) ASSERT_EQ(static_cast<size_t>(kFormats[f]), f);
+  std::vector<std::vector<float>> after(std::size(cases));
+  for (int round = 0; round < 2; ++round) {
+    for (size_t i = 0; i < std::size(cases); ++i) after[i] = run(i);
+  }
+  for (size_t i = 0; i < std::size(cases); ++i) {
+    std::vector<float> fresh;
+    std::thread([&] { fresh = run(i); }).join();
+    ASSERT_EQ(fresh.size(), after[i].size());
+    EXPECT_EQ(std::memcmp(fresh.data(), after[i].data(), fresh.size() * sizeof(float)), 0)
+        << "case " << i << ": " << common::WeightFormatName(cases[i].format)
+        << " T=" << cases[i].T;
+  }
 }
 
 TEST_F(CpuMoeTest, Bf16IoSwigluOaiAndAccumulate) {
