@@ -1762,7 +1762,7 @@ void ForwardFormat(ForwardPlan& plan) {
       (void)routes;
       return false;
     } else {
-      return plan.amx && routes >= plan.amx_min_routes;
+      return plan.UsesAmx(routes);
     }
   };
 

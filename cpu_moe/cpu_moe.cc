@@ -477,11 +477,7 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   const int all_unique = unique + onednn.experts;
   const bool bf16_dot_ran = plan.bf16_dot_product && num_routes > 0;
   bool amx_ran = false;
-  if (plan.amx) {
-    for (const internal::ExpertGroup& g : plan.groups) {
-      amx_ran |= g.end - g.begin >= plan.amx_min_routes;
-    }
-  }
+  for (const internal::ExpertGroup& g : plan.groups) amx_ran |= plan.UsesAmx(g.end - g.begin);
   if (stats != nullptr) {
     stats->routes = all_routes;
     stats->unique_experts = all_unique;

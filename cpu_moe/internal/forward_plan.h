@@ -38,6 +38,9 @@ struct ForwardPlan {
   // the tile state, and options->amx.
   bool amx = false;
   int amx_min_routes = 0;
+  // Whether an expert with `routes` routes in this call goes through AMX (the one rule that both
+  // the kernels and ForwardStats::amx follow).
+  bool UsesAmx(int routes) const { return amx && routes >= amx_min_routes; }
 
   // Valid routes, in token order: route r is token route_token[r], weight route_weight[r].
   std::vector<int> route_token;
