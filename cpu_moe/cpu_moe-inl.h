@@ -73,12 +73,31 @@ constexpr int TileOf() {
              : 4;
 }
 HWY_INLINE void Pf(const void* p) { hwy::Prefetch(p); }
-// Bytes ahead of the current position that the row kernels prefetch in the weight stream
-// (Options::prefetch_bytes, per format by default, see Options::kAuto; 0: no software
-// prefetch), carried in MatrixRef::prefetch.
+// Into L2 only (prefetcht1); elsewhere as Pf.
+HWY_INLINE void PfL2(const void* p) {
+#if HWY_ARCH_X86
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+#else
+  hwy::Prefetch(p);
+#endif
+}
+// How far ahead of the current position the row kernels prefetch in the weight stream, carried
+// in MatrixRef::prefetch: l1 bytes ahead into L1 (Options::prefetch_bytes, per format by
+// default, see Options::kAuto; 0: no software prefetch) and, where l2 is not 0, a second stream
+// of prefetches l2 bytes ahead into L2 only (Options::prefetch_l2_bytes).
 // Rows of a work item are contiguous, so the prefetch runs on into the next row; the hardware
 // prefetcher alone stalls at every 4 KiB page, and one core needs about 1-2 KiB in flight to
 // approach its share of DRAM bandwidth.
+struct PfDist {
+  size_t l1 = 0;
+  size_t l2 = 0;
+};
+// The prefetches for the 64 bytes of a row at p.
+HWY_INLINE void PfAhead(const PfDist& pf, const void* p) {
+  const uint8_t* b = static_cast<const uint8_t*>(p);
+  if (pf.l1 != 0) Pf(b + pf.l1);
+  if (pf.l2 != 0) PfL2(b + pf.l2);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Activations, prepared once per call in the layout the weight format's row kernel wants.
@@ -400,7 +419,7 @@ struct MatrixRef {
   const float* globals;
   size_t rows;
   size_t cols;
-  size_t prefetch;  // bytes ahead to prefetch in the row kernels (0: none); see above
+  PfDist prefetch;  // how far ahead the row kernels prefetch; see above
   bool block_lane;  // quantized rows start in the block-lane layout (BlockLaneBytes)
 };
 
@@ -687,7 +706,7 @@ HWY_INLINE void QuantChunk(D8 d8, DF df, const QuantRow& q, size_t b, hn::Vec<D8
 // every activation load; each (row, token) has its own accumulator.
 template <common::WeightFormat F, int NR, int NT, class D8>
 HWY_INLINE size_t QuantDotLevel(D8 d8, const QuantRow* q, const ActView* acts, size_t b,
-                                size_t nbytes, size_t pf, float (*HWY_RESTRICT sums)[kTile]) {
+                                size_t nbytes, PfDist pf, float (*HWY_RESTRICT sums)[kTile]) {
   const size_t n = hn::Lanes(d8);
   if (b + n > nbytes) return b;
   // Offsets of hi, xs and neg from lo in an activation vector (nbytes = k / 2).
@@ -706,10 +725,10 @@ HWY_INLINE size_t QuantDotLevel(D8 d8, const QuantRow* q, const ActView* acts, s
     hn::Vec<decltype(df)> ws[NR];
     for (int rr = 0; rr < NR; ++rr) {
       if constexpr (hn::MaxLanes(D8()) >= 32) {
-        if (pf != 0) {
-          Pf(PackedAddr<F>(q[rr], b) + pf);
-          if constexpr (F != common::WeightFormat::kQ4_0) {
-            Pf(q[rr].scales + (b + pf) / (F == common::WeightFormat::kNvfp4 ? 8 : 16));
+        PfAhead(pf, PackedAddr<F>(q[rr], b));
+        if constexpr (F != common::WeightFormat::kQ4_0) {
+          if (pf.l1 != 0) {
+            Pf(q[rr].scales + (b + pf.l1) / (F == common::WeightFormat::kNvfp4 ? 8 : 16));
           }
         }
       }
@@ -741,7 +760,7 @@ HWY_INLINE size_t QuantDotLevel(D8 d8, const QuantRow* q, const ActView* acts, s
 
 template <common::WeightFormat F, int NR, int NT, class D8>
 HWY_INLINE void QuantDotAll(D8 d8, const QuantRow* q, const ActView* acts, size_t b,
-                            size_t nbytes, size_t pf, float (*sums)[kTile]) {
+                            size_t nbytes, PfDist pf, float (*sums)[kTile]) {
   b = QuantDotLevel<F, NR, NT>(d8, q, acts, b, nbytes, pf, sums);
   if constexpr (hn::MaxLanes(D8()) > 16) {
     if (b < nbytes) QuantDotAll<F, NR, NT>(hn::Half<D8>(), q, acts, b, nbytes, pf, sums);
@@ -802,7 +821,7 @@ HWY_INLINE void BlockLaneChunk(const QuantRow& q, size_t b, __m512i& b0, __m512i
 // returns its end, where the plain kernels take over. Adds into sums like QuantDotLevel.
 template <common::WeightFormat F, int NR, int NT>
 HWY_INLINE size_t QuantDotBlockLane(const QuantRow* q, const ActView* acts, size_t nbytes,
-                                    size_t pf, float (*HWY_RESTRICT sums)[kTile]) {
+                                    PfDist pf, float (*HWY_RESTRICT sums)[kTile]) {
   const size_t nb = BlockLaneBytes(nbytes, true);
   if (nb == 0) return 0;
   const hn::ScalableTag<uint8_t> d8;
@@ -823,11 +842,11 @@ HWY_INLINE size_t QuantDotBlockLane(const QuantRow* q, const ActView* acts, size
     hn::Vec<decltype(d8)> w[NR][4];  // lo(B_0), hi(B_0), lo(B_1), hi(B_1)
     hn::Vec<decltype(df)> ws[NR];
     for (int rr = 0; rr < NR; ++rr) {
-      if (pf != 0) {
-        Pf(PackedAddr<F>(q[rr], b) + pf);
-        Pf(PackedAddr<F>(q[rr], b + 64) + pf);
-        if constexpr (F != common::WeightFormat::kQ4_0) {
-          Pf(q[rr].scales + (b + pf) / (F == common::WeightFormat::kNvfp4 ? 8 : 16));
+      PfAhead(pf, PackedAddr<F>(q[rr], b));
+      PfAhead(pf, PackedAddr<F>(q[rr], b + 64));
+      if constexpr (F != common::WeightFormat::kQ4_0) {
+        if (pf.l1 != 0) {
+          Pf(q[rr].scales + (b + pf.l1) / (F == common::WeightFormat::kNvfp4 ? 8 : 16));
         }
       }
       __m512i r0, r1;
@@ -882,7 +901,7 @@ HWY_INLINE size_t QuantDotBlockLane(const QuantRow* q, const ActView* acts, size
 
 template <int NR, int NT, class DF>
 HWY_INLINE size_t Bf16DotLevel(DF df, const uint16_t* const* w, const ActView* acts, size_t i,
-                               size_t npairs, size_t pf, float (*HWY_RESTRICT sums)[kTile]) {
+                               size_t npairs, PfDist pf, float (*HWY_RESTRICT sums)[kTile]) {
   // i counts element pairs (u32 lanes).
   const size_t n = hn::Lanes(df);
   if (i + n > npairs) return i;
@@ -897,7 +916,7 @@ HWY_INLINE size_t Bf16DotLevel(DF df, const uint16_t* const* w, const ActView* a
     hn::Vec<DF> we[NR], wo[NR];
     for (int rr = 0; rr < NR; ++rr) {
       if constexpr (hn::MaxLanes(DF()) >= 8) {
-        if (pf != 0) Pf(reinterpret_cast<const uint8_t*>(w[rr] + 2 * i) + pf);
+        PfAhead(pf, w[rr] + 2 * i);
       }
       const auto w32 = hn::BitCast(du32, hn::LoadU(du16, w[rr] + 2 * i));
       we[rr] = hn::BitCast(df, hn::ShiftLeft<16>(w32));
@@ -921,7 +940,7 @@ HWY_INLINE size_t Bf16DotLevel(DF df, const uint16_t* const* w, const ActView* a
 
 template <int NR, int NT, class DF>
 HWY_INLINE void Bf16DotAll(DF df, const uint16_t* const* w, const ActView* acts, size_t i,
-                           size_t npairs, size_t pf, float (*sums)[kTile]) {
+                           size_t npairs, PfDist pf, float (*sums)[kTile]) {
   i = Bf16DotLevel<NR, NT>(df, w, acts, i, npairs, pf, sums);
   if constexpr (hn::MaxLanes(DF()) > 4) {
     if (i < npairs) Bf16DotAll<NR, NT>(hn::Half<DF>(), w, acts, i, npairs, pf, sums);
@@ -937,7 +956,7 @@ HWY_INLINE void Bf16DotAll(DF df, const uint16_t* const* w, const ActView* acts,
 // (row, token) sums its lanes in the same order whatever NR and NT are. Like Bf16DotLevel, one
 // prefetch per 64 bytes of each row, pf bytes ahead. Otherwise: fp32 FMAs (Bf16DotAll).
 template <int NR, int NT, bool kBf16Dot>
-HWY_INLINE void Bf16DotRows(const uint16_t* const* w, const ActView* acts, size_t k, size_t pf,
+HWY_INLINE void Bf16DotRows(const uint16_t* const* w, const ActView* acts, size_t k, PfDist pf,
                             float (*HWY_RESTRICT sums)[kTile]) {
   const hn::ScalableTag<float> df;
   if constexpr (kBf16Dot) {
@@ -949,7 +968,7 @@ HWY_INLINE void Bf16DotRows(const uint16_t* const* w, const ActView* acts, size_
     for (size_t c = 0; c < k; c += 32) {
       __m512bh wv[NR];
       for (int rr = 0; rr < NR; ++rr) {
-        if (pf != 0) Pf(reinterpret_cast<const uint8_t*>(w[rr] + c) + pf);
+        PfAhead(pf, w[rr] + c);
         wv[rr] = (__m512bh)_mm512_loadu_si512(w[rr] + c);
       }
       for (int t = 0; t < NT; ++t) {
@@ -1047,14 +1066,14 @@ struct Fp8Decoder {
 // of 4 FMAs per chunk is about as long as the decode of the chunk's NR = 2 rows, and at NT = 4
 // the accumulators and block totals (16 + 16 registers with two) would not fit in 32 registers.
 template <int NR, int NT, bool kTail>
-HWY_INLINE void Fp8DotChunk(const Fp8Decoder& dec, const uint8_t* const* w, size_t c, size_t pf,
+HWY_INLINE void Fp8DotChunk(const Fp8Decoder& dec, const uint8_t* const* w, size_t c, PfDist pf,
                             const ActView* acts, __m512 (*HWY_RESTRICT acc)[NT]) {
   constexpr size_t kL = kTail ? 8 : 16;  // floats per activation vector
   constexpr __mmask16 kM = kTail ? 0x00FF : 0xFFFF;
   __m512 wv[NR][4];
   for (int rr = 0; rr < NR; ++rr) {
     // One prefetch per 64 bytes of the row (c is a multiple of 64, tail included).
-    if (pf != 0) Pf(w[rr] + c + pf);
+    PfAhead(pf, w[rr] + c);
     const __m512i code = kTail ? _mm512_zextsi256_si512(_mm256_loadu_si256(
                                      reinterpret_cast<const __m256i*>(w[rr] + c)))
                                : _mm512_loadu_si512(w[rr] + c);
@@ -1151,10 +1170,10 @@ HWY_INLINE void AmxPackB(const ActView* acts, int nr, size_t k, uint32_t* HWY_RE
 // bytes ahead in the row (and on into the rows after it: the rows of a set are contiguous).
 template <bool kFp8>
 HWY_INLINE void AmxStageChunk(const Fp8Decoder& dec, const uint8_t* row, size_t c, size_t k,
-                              size_t pf, uint16_t* HWY_RESTRICT s) {
+                              PfDist pf, uint16_t* HWY_RESTRICT s) {
   const bool tail = 64 * c + 64 > k;
   if constexpr (kFp8) {
-    if (pf != 0) Pf(row + 64 * c + pf);
+    PfAhead(pf, row + 64 * c);
     const __m512i code =
         tail ? _mm512_zextsi256_si512(
                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 64 * c)))
@@ -1164,10 +1183,8 @@ HWY_INLINE void AmxStageChunk(const Fp8Decoder& dec, const uint8_t* row, size_t 
     _mm512_store_si512(s + 64 * c, p0);
     _mm512_store_si512(s + 64 * c + 32, p1);
   } else {
-    if (pf != 0) {
-      Pf(row + 128 * c + pf);
-      Pf(row + 128 * c + 64 + pf);
-    }
+    PfAhead(pf, row + 128 * c);
+    PfAhead(pf, row + 128 * c + 64);
     _mm512_store_si512(s + 64 * c, _mm512_loadu_si512(row + 128 * c));
     _mm512_store_si512(s + 64 * c + 32,
                        tail ? _mm512_setzero_si512() : _mm512_loadu_si512(row + 128 * c + 64));
@@ -1182,7 +1199,8 @@ template <bool kFp8>
 struct AmxStager {
   const uint8_t* wa = nullptr;
   const uint8_t* wb = nullptr;
-  size_t pitch = 0, k = 0, nch = 0, spitch = 0, pf = 0;
+  size_t pitch = 0, k = 0, nch = 0, spitch = 0;
+  PfDist pf;
   int m = 0;
   size_t done = 0, total = 0;  // row-chunks (row j, chunk c at j * nch + c) staged / to stage
   uint16_t* sa = nullptr;
@@ -1451,13 +1469,13 @@ HWY_INLINE void Fp8Blocks(const float* const* scale_row, size_t cols,
 // its upper positions hold +0 weights against the activations' zero padding.
 template <int NR, int NT>
 HWY_INLINE void Fp8DotRowsBf16(const uint8_t* const* w, const float* const* scale_row,
-                               size_t cols, size_t pf, const ActView* acts,
+                               size_t cols, PfDist pf, const ActView* acts,
                                float (*HWY_RESTRICT sums)[kTile]) {
   const Fp8Decoder dec;
   Fp8Blocks<NR, NT>(scale_row, cols, sums, [&](size_t c, size_t c1, __m512 (*acc)[NT]) {
     __m512i wv[NR][2];
     for (int rr = 0; rr < NR; ++rr) {
-      if (pf != 0) Pf(w[rr] + c + pf);
+      PfAhead(pf, w[rr] + c);
       const __m512i code =
           c + 64 <= c1 ? _mm512_loadu_si512(w[rr] + c)
                        : _mm512_zextsi256_si512(
@@ -1482,7 +1500,7 @@ HWY_INLINE void Fp8DotRowsBf16(const uint8_t* const* w, const float* const* scal
 // e4m3 / 256 (subnormals included), which F16C widens exactly (hence 256 on the block scale).
 template <int NR, int NT, bool kBf16Dot = false>
 HWY_INLINE void Fp8DotRows(const uint8_t* const* w, const float* const* scale_row, size_t cols,
-                           size_t pf, const ActView* acts, float (*HWY_RESTRICT sums)[kTile]) {
+                           PfDist pf, const ActView* acts, float (*HWY_RESTRICT sums)[kTile]) {
 #if HWY_TARGET == HWY_AVX3_DL
   if constexpr (kBf16Dot) {
     return Fp8DotRowsBf16<NR, NT>(w, scale_row, cols, pf, acts, sums);
@@ -1519,7 +1537,7 @@ HWY_INLINE void Fp8DotRows(const uint8_t* const* w, const float* const* scale_ro
     for (size_t c = c0; c < c1; c += n2) {
       hn::Vec<decltype(df)> wl[NR], wh[NR];
       for (int rr = 0; rr < NR; ++rr) {
-        if (pf != 0 && (c & 63) == 0) Pf(w[rr] + c + pf);
+        if ((c & 63) == 0) PfAhead(pf, w[rr] + c);
         const auto b = hn::PromoteTo(d16, hn::LoadU(d8, w[rr] + c));
         const auto bits =
             hn::Or(hn::ShiftLeft<8>(hn::And(b, sign)), hn::ShiftLeft<7>(hn::And(b, mag)));
@@ -1617,7 +1635,7 @@ HWY_INLINE void DotRowsMany(const MatrixRef& m, size_t e, const size_t* r, const
 // the row kernels runs m.prefetch ahead from there); nothing when m.prefetch is 0.
 HWY_INLINE void PrefetchRow(const MatrixRef& m, size_t e, size_t r, size_t bytes_per_row) {
   const uint8_t* p = static_cast<const uint8_t*>(m.weights) + (e * m.rows + r) * bytes_per_row;
-  for (size_t o = 0; o < bytes_per_row && o < m.prefetch; o += 64) Pf(p + o);
+  for (size_t o = 0; o < bytes_per_row && o < m.prefetch.l1; o += 64) Pf(p + o);
 }
 
 inline size_t RowBytes(common::WeightFormat f, size_t cols) {
@@ -1744,7 +1762,8 @@ void ForwardFormat(ForwardPlan& plan) {
   const int workers = pool.num_workers() + 1;
   const size_t pass1_rows = static_cast<size_t>(opt.pass1_rows);
   const size_t pass2_rows = static_cast<size_t>(opt.pass2_rows);
-  const size_t prefetch = static_cast<size_t>(opt.prefetch_bytes);
+  const PfDist prefetch{static_cast<size_t>(opt.prefetch_bytes),
+                       static_cast<size_t>(opt.prefetch_l2_bytes)};
   // Row streams per item (Options::row_streams): kAuto reads four streams where a group has at
   // most two routes in the int8 formats, whose per-byte work is high enough that two streams
   // left too few bytes in flight (host, side by side: T=1 steps 6-10% faster with four), and two

@@ -308,6 +308,10 @@ Options ResolveTuning(const Options& options, WeightFormat format) {
   // (2048 / 64 lost 2-9%), fp8 gains 2-9% from 2048 / 64, the 4-bit formats keep 1024 / 64.
   const bool bf16 = format == WeightFormat::kBf16;
   if (o.prefetch_bytes == Options::kAuto) o.prefetch_bytes = four_bit ? 1024 : bf16 ? 4096 : 2048;
+  // A second prefetch stream 8192 bytes ahead into L2 for bf16 (session 6, side by side on the
+  // host, benchmarks/h200host_tuning_2026-11-30_session6.md: 2.5-10% faster steps at T=1-64 in
+  // three runs; fp8_block and q4_0 within +-3%, mxfp4 4-8% slower, so off for them).
+  if (o.prefetch_l2_bytes == Options::kAuto) o.prefetch_l2_bytes = bf16 ? 8192 : 0;
   // Pass-1 rows (session 3, side by side on the host with the passes overlapped): 128 for the
   // 4-bit formats (+2-6% over 64), 64 for bf16 (+1.5-4% over 16).
   if (o.pass1_rows == Options::kAuto) o.pass1_rows = four_bit ? 128 : 64;
@@ -324,6 +328,12 @@ absl::Status ValidateTuning(const Options& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "prefetch_bytes (MOE_CPU_PREFETCH_BYTES) = ", o.prefetch_bytes,
         " must be 0 (off) or a multiple of 64 in [64, ", Options::kMaxPrefetchBytes, "]"));
+  }
+  if (o.prefetch_l2_bytes < 0 || o.prefetch_l2_bytes > Options::kMaxPrefetchL2Bytes ||
+      o.prefetch_l2_bytes % 64 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefetch_l2_bytes (MOE_CPU_PREFETCH_L2_BYTES) = ", o.prefetch_l2_bytes,
+        " must be 0 (off) or a multiple of 64 in [64, ", Options::kMaxPrefetchL2Bytes, "]"));
   }
   if (o.pass1_rows < 1 || o.pass1_rows > Options::kMaxRowsPerItem) {
     return absl::InvalidArgumentError(absl::StrCat("pass1_rows (MOE_CPU_PASS1_ROWS) = ",
@@ -371,6 +381,7 @@ Options Options::FromEnv() {
     o.onednn_min_tokens_per_expert = std::max(0, std::atoi(v));
   }
   EnvInt("MOE_CPU_PREFETCH_BYTES", &o.prefetch_bytes);
+  EnvInt("MOE_CPU_PREFETCH_L2_BYTES", &o.prefetch_l2_bytes);
   EnvInt("MOE_CPU_PASS1_ROWS", &o.pass1_rows);
   EnvInt("MOE_CPU_PASS2_ROWS", &o.pass2_rows);
   EnvInt("MOE_CPU_ROW_STREAMS", &o.row_streams);

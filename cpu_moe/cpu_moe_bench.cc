@@ -579,13 +579,14 @@ int main(int argc, char** argv) {
                                 return s;
                               }());
   {
-    // The memory-system tuning in effect (MOE_CPU_PREFETCH_BYTES / _PASS1_ROWS / _PASS2_ROWS) and
-    // the bf16 dot product switch (MOE_CPU_BF16_DOT), so each JSON of a sweep says which setting
-    // it measured.
+    // The memory-system tuning in effect (MOE_CPU_PREFETCH_BYTES / _PREFETCH_L2_BYTES /
+    // _PASS1_ROWS / _PASS2_ROWS) and the bf16 dot product switch (MOE_CPU_BF16_DOT), so each
+    // JSON of a sweep says which setting it measured.
     const moe::cpu_moe::Options o = moe::cpu_moe::Options::FromEnv();
     benchmark::AddCustomContext("cpu_moe_tuning",
                                 absl::StrCat("hugepages=", moe::cpu_moe::g_hugepages,
                                              " prefetch_bytes=", o.prefetch_bytes,
+                                             " prefetch_l2_bytes=", o.prefetch_l2_bytes,
                                              " pass1_rows=", o.pass1_rows,
                                              " pass2_rows=", o.pass2_rows,
                                              " row_streams=", o.row_streams,

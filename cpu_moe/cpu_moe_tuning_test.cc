@@ -1,4 +1,4 @@
-// Runtime tuning options (prefetch distance, rows per work item, overlapped passes): every
+// Runtime tuning options (prefetch distances, rows per work item, overlapped passes): every
 // setting gives y bit for bit equal to the defaults', and bad values are InvalidArgument.
 #include <algorithm>
 #include <cstdint>
@@ -75,6 +75,7 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
     int prefetch, pass1, pass2;
     bool overlap;
     int streams;
+    int prefetch_l2 = 0;
   };
   std::vector<Setting> settings;
   for (bool overlap : {true, false}) {
@@ -94,6 +95,9 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
       settings.push_back({512, 7, 10, overlap, streams});
     }
   }
+  // The L2 prefetch stream off, at its extremes and in between, in turn over the settings.
+  const int kL2[] = {0, 8192, 64, Options::kMaxPrefetchL2Bytes, 4096};
+  for (size_t i = 0; i < settings.size(); ++i) settings[i].prefetch_l2 = kL2[i % 5];
   for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kQ4_0}) {
     const HostBank hb = MakeRandomBank(f, kE, kH, kI, 41 + static_cast<int>(f), false);
     for (const std::string& target : AvailableTargets()) {
@@ -115,6 +119,7 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
             for (const Setting& s : settings) {
               Options o = base;
               o.prefetch_bytes = s.prefetch;
+              o.prefetch_l2_bytes = s.prefetch_l2;
               o.pass1_rows = s.pass1;
               o.pass2_rows = s.pass2;
               o.overlap_passes = s.overlap;
@@ -124,7 +129,7 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
               EXPECT_EQ(std::memcmp(y.data(), y0.data(), y.size() * sizeof(float)), 0)
                   << common::WeightFormatName(f) << " " << target << " T=" << T
                   << " dedup=" << dedup << " variant=" << variant << " prefetch=" << s.prefetch
-                  << " pass1=" << s.pass1 << " pass2=" << s.pass2 << " overlap=" << s.overlap
+                  << " prefetch_l2=" << s.prefetch_l2                  << " pass1=" << s.pass1 << " pass2=" << s.pass2 << " overlap=" << s.overlap
                   << " streams=" << s.streams;
             }
           }
@@ -171,12 +176,25 @@ TEST(CpuMoeTuningTest, BadValuesAreInvalidArgument) {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << streams;
     EXPECT_NE(std::string(st.message()).find("row_streams"), std::string::npos) << st;
   }
+  for (int l2 : {-64, 100, Options::kMaxPrefetchL2Bytes + 64, std::numeric_limits<int>::min()}) {
+    Options o;
+    o.prefetch_l2_bytes = l2;
+    const absl::Status st = Forward(hb.bank, 1, 2, ids, w, x, absl::MakeSpan(y), o, pool);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << l2;
+    EXPECT_NE(std::string(st.message()).find("prefetch_l2_bytes"), std::string::npos) << st;
+  }
+  for (int l2 : {0, 64, Options::kMaxPrefetchL2Bytes}) {
+    Options o;
+    o.prefetch_l2_bytes = l2;
+    EXPECT_TRUE(Forward(hb.bank, 1, 2, ids, w, x, absl::MakeSpan(y), o, pool).ok()) << l2;
+  }
 }
 
 // Read at FromEnv() time, every time; garbage becomes an error in Forward, not the default.
 TEST(CpuMoeTuningTest, EnvReadWhenOptionsAreBuilt) {
   const Options d;
   EXPECT_EQ(d.prefetch_bytes, Options::kAuto);
+  EXPECT_EQ(d.prefetch_l2_bytes, Options::kAuto);
   EXPECT_EQ(d.pass1_rows, Options::kAuto);
   EXPECT_EQ(d.pass2_rows, Options::kAuto);
   EXPECT_TRUE(d.overlap_passes);
@@ -192,7 +210,13 @@ TEST(CpuMoeTuningTest, EnvReadWhenOptionsAreBuilt) {
   setenv("MOE_CPU_PASS1_ROWS", "32", 1);
   setenv("MOE_CPU_PASS2_ROWS", "64", 1);
   setenv("MOE_CPU_ROW_STREAMS", "4", 1);
+  setenv("MOE_CPU_PREFETCH_L2_BYTES", "16384", 1);
   const Options a = Options::FromEnv();
+  EXPECT_EQ(a.prefetch_l2_bytes, 16384);
+  setenv("MOE_CPU_PREFETCH_L2_BYTES", "0", 1);
+  EXPECT_EQ(Options::FromEnv().prefetch_l2_bytes, 0);
+  unsetenv("MOE_CPU_PREFETCH_L2_BYTES");
+  EXPECT_EQ(Options::FromEnv().prefetch_l2_bytes, Options::kAuto);
   EXPECT_EQ(a.row_streams, 4);
   unsetenv("MOE_CPU_ROW_STREAMS");
   EXPECT_EQ(Options::FromEnv().row_streams, Options::kAuto);
