@@ -84,7 +84,7 @@ HWY_INLINE void PfL2(const void* p) {
 // How far ahead of the current position the row kernels prefetch in the weight stream, carried
 // in MatrixRef::prefetch: l1 bytes ahead into L1 (Options::prefetch_bytes, per format by
 // default, see Options::kAuto; 0: no software prefetch) and, where l2 is not 0, a second stream
-// of prefetches l2 bytes ahead into L2 only (Options::prefetch_l2_bytes).
+// of prefetches l2 bytes ahead into L2 only (Options::prefetch_l2_bytes; bf16 and fp8 kernels).
 // Rows of a work item are contiguous, so the prefetch runs on into the next row; the hardware
 // prefetcher alone stalls at every 4 KiB page, and one core needs about 1-2 KiB in flight to
 // approach its share of DRAM bandwidth.
@@ -706,7 +706,7 @@ HWY_INLINE void QuantChunk(D8 d8, DF df, const QuantRow& q, size_t b, hn::Vec<D8
 // every activation load; each (row, token) has its own accumulator.
 template <common::WeightFormat F, int NR, int NT, class D8>
 HWY_INLINE size_t QuantDotLevel(D8 d8, const QuantRow* q, const ActView* acts, size_t b,
-                                size_t nbytes, PfDist pf, float (*HWY_RESTRICT sums)[kTile]) {
+                                size_t nbytes, size_t pf, float (*HWY_RESTRICT sums)[kTile]) {
   const size_t n = hn::Lanes(d8);
   if (b + n > nbytes) return b;
   // Offsets of hi, xs and neg from lo in an activation vector (nbytes = k / 2).
@@ -725,10 +725,10 @@ HWY_INLINE size_t QuantDotLevel(D8 d8, const QuantRow* q, const ActView* acts, s
     hn::Vec<decltype(df)> ws[NR];
     for (int rr = 0; rr < NR; ++rr) {
       if constexpr (hn::MaxLanes(D8()) >= 32) {
-        PfAhead(pf, PackedAddr<F>(q[rr], b));
-        if constexpr (F != common::WeightFormat::kQ4_0) {
-          if (pf.l1 != 0) {
-            Pf(q[rr].scales + (b + pf.l1) / (F == common::WeightFormat::kNvfp4 ? 8 : 16));
+        if (pf != 0) {
+          Pf(PackedAddr<F>(q[rr], b) + pf);
+          if constexpr (F != common::WeightFormat::kQ4_0) {
+            Pf(q[rr].scales + (b + pf) / (F == common::WeightFormat::kNvfp4 ? 8 : 16));
           }
         }
       }
@@ -760,7 +760,7 @@ HWY_INLINE size_t QuantDotLevel(D8 d8, const QuantRow* q, const ActView* acts, s
 
 template <common::WeightFormat F, int NR, int NT, class D8>
 HWY_INLINE void QuantDotAll(D8 d8, const QuantRow* q, const ActView* acts, size_t b,
-                            size_t nbytes, PfDist pf, float (*sums)[kTile]) {
+                            size_t nbytes, size_t pf, float (*sums)[kTile]) {
   b = QuantDotLevel<F, NR, NT>(d8, q, acts, b, nbytes, pf, sums);
   if constexpr (hn::MaxLanes(D8()) > 16) {
     if (b < nbytes) QuantDotAll<F, NR, NT>(hn::Half<D8>(), q, acts, b, nbytes, pf, sums);
@@ -821,7 +821,7 @@ HWY_INLINE void BlockLaneChunk(const QuantRow& q, size_t b, __m512i& b0, __m512i
 // returns its end, where the plain kernels take over. Adds into sums like QuantDotLevel.
 template <common::WeightFormat F, int NR, int NT>
 HWY_INLINE size_t QuantDotBlockLane(const QuantRow* q, const ActView* acts, size_t nbytes,
-                                    PfDist pf, float (*HWY_RESTRICT sums)[kTile]) {
+                                    size_t pf, float (*HWY_RESTRICT sums)[kTile]) {
   const size_t nb = BlockLaneBytes(nbytes, true);
   if (nb == 0) return 0;
   const hn::ScalableTag<uint8_t> d8;
@@ -842,11 +842,11 @@ HWY_INLINE size_t QuantDotBlockLane(const QuantRow* q, const ActView* acts, size
     hn::Vec<decltype(d8)> w[NR][4];  // lo(B_0), hi(B_0), lo(B_1), hi(B_1)
     hn::Vec<decltype(df)> ws[NR];
     for (int rr = 0; rr < NR; ++rr) {
-      PfAhead(pf, PackedAddr<F>(q[rr], b));
-      PfAhead(pf, PackedAddr<F>(q[rr], b + 64));
-      if constexpr (F != common::WeightFormat::kQ4_0) {
-        if (pf.l1 != 0) {
-          Pf(q[rr].scales + (b + pf.l1) / (F == common::WeightFormat::kNvfp4 ? 8 : 16));
+      if (pf != 0) {
+        Pf(PackedAddr<F>(q[rr], b) + pf);
+        Pf(PackedAddr<F>(q[rr], b + 64) + pf);
+        if constexpr (F != common::WeightFormat::kQ4_0) {
+          Pf(q[rr].scales + (b + pf) / (F == common::WeightFormat::kNvfp4 ? 8 : 16));
         }
       }
       __m512i r0, r1;
@@ -1577,9 +1577,11 @@ HWY_INLINE void DotRowsN(const MatrixRef& m, size_t e, const size_t* r, const Ac
     for (int rr = 0; rr < NR; ++rr) MakeQuantRow<F>(m, e, r[rr], q[rr]);
     size_t b = 0;
 #if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3
-    if (m.block_lane) b = QuantDotBlockLane<F, NR, NT>(q, acts, k / 2, m.prefetch, sums);
+    // The int8 formats' kernels take no L2 stream (PfDist::l2): it gained nothing for them on
+    // the host (mxfp4 4-8% slower), and its branches alone cost 2-5% on one dev-box core.
+    if (m.block_lane) b = QuantDotBlockLane<F, NR, NT>(q, acts, k / 2, m.prefetch.l1, sums);
 #endif
-    QuantDotAll<F, NR, NT>(hn::ScalableTag<uint8_t>(), q, acts, b, k / 2, m.prefetch, sums);
+    QuantDotAll<F, NR, NT>(hn::ScalableTag<uint8_t>(), q, acts, b, k / 2, m.prefetch.l1, sums);
     for (int rr = 0; rr < NR; ++rr) {
       for (int t = 0; t < NT; ++t) sums[rr][t] *= q[rr].post;
     }

@@ -309,8 +309,8 @@ Options ResolveTuning(const Options& options, WeightFormat format) {
   const bool bf16 = format == WeightFormat::kBf16;
   if (o.prefetch_bytes == Options::kAuto) o.prefetch_bytes = four_bit ? 1024 : bf16 ? 4096 : 2048;
   // A second prefetch stream 8192 bytes ahead into L2 for bf16 (session 6, side by side on the
-  // host, benchmarks/h200host_tuning_2026-11-30_session6.md: 2.5-10% faster steps at T=1-64 in
-  // three runs; fp8_block and q4_0 within +-3%, mxfp4 4-8% slower, so off for them).
+  // host, benchmarks/h200host_tuning_2026-11-30_session6.md: 0.5-10% faster steps at T=1-64 in
+  // four runs; fp8_block within +-3%, so off; the int8 formats' kernels take no L2 stream).
   if (o.prefetch_l2_bytes == Options::kAuto) o.prefetch_l2_bytes = bf16 ? 8192 : 0;
   // Pass-1 rows (session 3, side by side on the host with the passes overlapped): 128 for the
   // 4-bit formats (+2-6% over 64), 64 for bf16 (+1.5-4% over 16).

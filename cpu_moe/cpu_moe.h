@@ -147,9 +147,11 @@ struct Options {
   static constexpr int kMaxPrefetchBytes = 8192;
   int prefetch_bytes = kAuto;
   // Bytes ahead of the current position of a second software prefetch in the weight stream,
-  // into L2 only (prefetcht1 on x86), beside the prefetch_bytes one; 0 turns it off, otherwise
-  // a multiple of 64 in [64, kMaxPrefetchL2Bytes]. kAuto: 8192 for bf16 (2.5-10% faster steps
-  // side by side on the GPU machine's host), 0 for the other formats (no gain or slower).
+  // into L2 only (prefetcht1 on x86), beside the prefetch_bytes one, in the bf16 and fp8_block
+  // kernels (the int8 formats' kernels take none: no gain there on the host, mxfp4 4-8% slower);
+  // 0 turns it off, otherwise a multiple of 64 in [64, kMaxPrefetchL2Bytes]. kAuto: 8192 for
+  // bf16 (0.5-10% faster steps side by side on the GPU machine's host), 0 for fp8_block (within
+  // +-3%).
   static constexpr int kMaxPrefetchL2Bytes = 32768;
   int prefetch_l2_bytes = kAuto;
   // Rows per work item: pass 1 gate rows (each with its up row) per item, any value in
