@@ -1633,8 +1633,8 @@ HWY_INLINE void DotRowsMany(const MatrixRef& m, size_t e, const size_t* r, const
   }
 }
 
-// Prefetches the start of row r of expert e, m.prefetch bytes of it (the software prefetch inside
-// the row kernels runs m.prefetch ahead from there); nothing when m.prefetch is 0.
+// Prefetches the start of row r of expert e, m.prefetch.l1 bytes of it (the software prefetch
+// inside the row kernels runs m.prefetch.l1 ahead from there); nothing when that is 0.
 HWY_INLINE void PrefetchRow(const MatrixRef& m, size_t e, size_t r, size_t bytes_per_row) {
   const uint8_t* p = static_cast<const uint8_t*>(m.weights) + (e * m.rows + r) * bytes_per_row;
   for (size_t o = 0; o < bytes_per_row && o < m.prefetch.l1; o += 64) Pf(p + o);

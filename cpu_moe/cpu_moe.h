@@ -176,8 +176,8 @@ struct Options {
   //   MOE_CPU_ONEDNN_MIN_TOKENS=<n> sets onednn_min_tokens_per_expert (0: oneDNN off),
   //   MOE_CPU_PREFETCH_BYTES=<n>, MOE_CPU_PREFETCH_L2_BYTES=<n>, MOE_CPU_PASS1_ROWS=<n>,
   //   MOE_CPU_PASS2_ROWS=<n>, MOE_CPU_ROW_STREAMS=<n> set prefetch_bytes, prefetch_l2_bytes,
-  //   pass1_rows, pass2_rows, row_streams (-1:
-  //   kAuto; a value that is not an integer is kept as INT_MIN, which Forward rejects).
+  //   pass1_rows, pass2_rows, row_streams (-1: kAuto; a value that is not an integer is kept
+  //   as INT_MIN, which Forward rejects).
   static Options FromEnv();
 };
 
