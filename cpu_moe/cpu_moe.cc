@@ -322,19 +322,20 @@ Options ResolveTuning(const Options& options, WeightFormat format) {
   return o;
 }
 
+// A prefetch distance: 0 (off) or a multiple of 64 in [64, max].
+absl::Status ValidatePrefetch(int bytes, int max, const char* name) {
+  if (bytes < 0 || bytes > max || bytes % 64 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, " = ", bytes, " must be 0 (off) or a multiple of 64 in [64, ", max, "]"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateTuning(const Options& o) {
-  if (o.prefetch_bytes < 0 || o.prefetch_bytes > Options::kMaxPrefetchBytes ||
-      o.prefetch_bytes % 64 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prefetch_bytes (MOE_CPU_PREFETCH_BYTES) = ", o.prefetch_bytes,
-        " must be 0 (off) or a multiple of 64 in [64, ", Options::kMaxPrefetchBytes, "]"));
-  }
-  if (o.prefetch_l2_bytes < 0 || o.prefetch_l2_bytes > Options::kMaxPrefetchL2Bytes ||
-      o.prefetch_l2_bytes % 64 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prefetch_l2_bytes (MOE_CPU_PREFETCH_L2_BYTES) = ", o.prefetch_l2_bytes,
-        " must be 0 (off) or a multiple of 64 in [64, ", Options::kMaxPrefetchL2Bytes, "]"));
-  }
+  RETURN_IF_ERROR(ValidatePrefetch(o.prefetch_bytes, Options::kMaxPrefetchBytes,
+                                   "prefetch_bytes (MOE_CPU_PREFETCH_BYTES)"));
+  RETURN_IF_ERROR(ValidatePrefetch(o.prefetch_l2_bytes, Options::kMaxPrefetchL2Bytes,
+                                   "prefetch_l2_bytes (MOE_CPU_PREFETCH_L2_BYTES)"));
   if (o.pass1_rows < 1 || o.pass1_rows > Options::kMaxRowsPerItem) {
     return absl::InvalidArgumentError(absl::StrCat("pass1_rows (MOE_CPU_PASS1_ROWS) = ",
                                                    o.pass1_rows, " must be in [1, ",

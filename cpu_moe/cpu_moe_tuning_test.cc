@@ -129,8 +129,8 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
               EXPECT_EQ(std::memcmp(y.data(), y0.data(), y.size() * sizeof(float)), 0)
                   << common::WeightFormatName(f) << " " << target << " T=" << T
                   << " dedup=" << dedup << " variant=" << variant << " prefetch=" << s.prefetch
-                  << " prefetch_l2=" << s.prefetch_l2                  << " pass1=" << s.pass1 << " pass2=" << s.pass2 << " overlap=" << s.overlap
-                  << " streams=" << s.streams;
+                  << " prefetch_l2=" << s.prefetch_l2 << " pass1=" << s.pass1
+                  << " pass2=" << s.pass2 << " overlap=" << s.overlap << " streams=" << s.streams;
             }
           }
         }
