@@ -8,6 +8,9 @@ time unique bytes take at the measured DRAM bandwidth (target <= 1.15 for T >= 8
 rate of the dedup-off arm counted in the bytes it reads (every route its own expert: bw_frac off
 x reuse): above 1 it exceeds the DRAM probe, so part of its repeated experts came from the
 last-level cache, and no dedup kernel can then reach a speedup of the whole reuse factor.
+Then, where the file has BM_CpuMoeSpeedup cases, the same speedup measured with both arms
+alternated step by step in one case (the arms of the first table run minutes apart, at DRAM
+readings that can differ by 10-20%).
 """
 import json
 import sys
@@ -41,6 +44,29 @@ def main(path):
               f"{on['reuse']:.2f} | {sp:.2f} | {sp / on['reuse']:.2f} | "
               f"{off['bw_fraction']:.2f} | {on['bw_fraction']:.2f} | "
               f"{on['ms_per_step'] / ideal:.2f} | {off['bw_fraction'] * on['reuse']:.2f} |")
+
+    # BM_CpuMoeSpeedup: the two arms alternated step by step in one case (median repetition by
+    # speedup).
+    sp_runs = {}
+    for b in data["benchmarks"]:
+        parts = b["name"].split("/")
+        if parts[0] != "BM_CpuMoeSpeedup" or "speedup" not in b or b.get("run_type") == "aggregate":
+            continue
+        sp_runs.setdefault((parts[1], int(parts[2]), int(parts[3])), []).append(b)
+    if not sp_runs:
+        return
+    print()
+    print("Side by side (BM_CpuMoeSpeedup, dedup on and off alternated step by step):")
+    print()
+    print("| format | E | T | ms off | ms on | reuse | speedup | speedup/reuse | bw_frac on | "
+          "off: route bytes / DRAM | DRAM GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for (fmt, e, t), bs in sp_runs.items():
+        bs.sort(key=lambda b: b["speedup"])
+        b = bs[len(bs) // 2]
+        print(f"| {fmt} | {e} | {t} | {b['off_ms']:.2f} | {b['on_ms']:.2f} | {b['reuse']:.2f} | "
+              f"{b['speedup']:.2f} | {b['speedup_over_reuse']:.2f} | {b['on_bw_fraction']:.2f} | "
+              f"{b['off_bw_fraction']:.2f} | {b['dram_gbps']:.0f} |")
 
 
 if __name__ == "__main__":
