@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <vector>
 
 #include "common/thread_pool.h"
 #include "gtest/gtest.h"
@@ -27,6 +28,21 @@ TEST(MembwTest, ProbeKeepsItsBufferAndReadsRepeatedly) {
     EXPECT_TRUE(std::isfinite(gbps));
     EXPECT_GT(gbps, 0.1);
     EXPECT_LT(gbps, 10000.0);
+  }
+}
+
+TEST(MembwTest, EveryReadPatternReportsARate) {
+  ThreadPool pool(2);
+  // 17 chunks: one full 16-chunk run and a run of one chunk, which the two-stream pattern
+  // cannot split into halves and reads as one stream.
+  DramProbe probe(pool, 17 << 16);
+  const std::vector<DramProbe::Reading> readings = probe.MeasureEach();
+  ASSERT_EQ(readings.size(), 4u);
+  for (const DramProbe::Reading& r : readings) {
+    EXPECT_NE(r.name, nullptr);
+    EXPECT_TRUE(std::isfinite(r.gbps)) << r.name;
+    EXPECT_GT(r.gbps, 0.1) << r.name;
+    EXPECT_LT(r.gbps, 10000.0) << r.name;
   }
 }
 
