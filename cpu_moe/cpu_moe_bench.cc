@@ -23,6 +23,8 @@
 //   BM_CpuMoeSpeedup/<format>/<E>/<T>: dedup on and off alternated step by step in one case, so
 //   that the speedup (off / on) and its fraction of the reuse factor come from arms that share
 //   the machine's state (see BM_CpuMoeSpeedup).
+//   BM_CpuMoeTrace/<format>/<T> (with --trace=<.npy>): the same on real routing, T tokens of one
+//   layer of a recorded trace per step (see BM_CpuMoeTrace).
 // Also reported: prep_ms, pass1_ms, pass2_ms, other_ms (where a step's time goes) and
 // pass1_bw_fraction / pass2_bw_fraction (each pass's bytes over its own time, against DRAM).
 // --ab=... runs variants of the env switches side by side instead (see RunAb below), e.g.
@@ -53,6 +55,7 @@
 #include "common/thread_pool.h"
 #include "cpu_moe/cpu_moe.h"
 #include "cpu_moe/test_bank.h"
+#include "moe_cache/trace.h"
 
 namespace moe::cpu_moe {
 namespace {
@@ -295,13 +298,14 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
 //   on_bw_fraction (unique bytes / on time / DRAM), off_bw_fraction (bytes the off arm reads,
 //   one expert per route, / off time / DRAM: above 1 its repeated experts partly came from the
 //   LLC, which caps the speedup any dedup kernel can show below the reuse factor).
-void BM_CpuMoeSpeedup(benchmark::State& state, WeightFormat format, int num_experts, int T) {
+// The body of BM_CpuMoeSpeedup and BM_CpuMoeTrace: T tokens of top_k routes each, drawn in turn
+// from `routings`.
+void SpeedupCase(benchmark::State& state, WeightFormat format, int num_experts, int T, int top_k,
+                 const Routings& routings, std::mt19937_64& rng) {
   Banks& banks = GetBanks(format, num_experts);
   const double dram_before = DramNow();
   const size_t per_expert = banks.banks[0].BytesPerExpert();
-  std::mt19937_64 rng(1000 + T);
-  const Routings routings = MakeRoutings(num_experts, T, rng);
-  std::vector<float> w(T * kTopK, 1.0f / kTopK);
+  std::vector<float> w(T * top_k, 1.0f / top_k);
   std::vector<float> x(static_cast<size_t>(T) * kH), y(x.size());
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (float& v : x) v = nd(rng);
@@ -311,7 +315,7 @@ void BM_CpuMoeSpeedup(benchmark::State& state, WeightFormat format, int num_expe
   double seconds[2] = {0.0, 0.0};  // [dedup]
   double unique_sum = 0.0;
   for (auto _ : state) {
-    const int s = static_cast<int>(pairs % Routings::kCount);
+    const size_t s = pairs % routings.ids.size();
     for (int i = 0; i < 2; ++i) {
       const int dedup = (i + static_cast<int>(pairs)) % 2;
       opt.dedup = dedup != 0;
@@ -319,7 +323,7 @@ void BM_CpuMoeSpeedup(benchmark::State& state, WeightFormat format, int num_expe
       ++step;
       const auto t0 = std::chrono::steady_clock::now();
       const absl::Status st =
-          Forward(bank, T, kTopK, routings.ids[s], w, x, absl::MakeSpan(y), opt, Pool());
+          Forward(bank, T, top_k, routings.ids[s], w, x, absl::MakeSpan(y), opt, Pool());
       const auto t1 = std::chrono::steady_clock::now();
       if (!st.ok()) {
         state.SkipWithError(st.ToString().c_str());
@@ -334,7 +338,7 @@ void BM_CpuMoeSpeedup(benchmark::State& state, WeightFormat format, int num_expe
   const double n = static_cast<double>(pairs);
   const double on_ms = 1e3 * seconds[1] / n, off_ms = 1e3 * seconds[0] / n;
   const double unique = unique_sum / n;
-  const double routes = static_cast<double>(T) * kTopK;
+  const double routes = static_cast<double>(T) * top_k;
   const double reuse = routes / unique;
   state.counters["on_ms"] = on_ms;
   state.counters["off_ms"] = off_ms;
@@ -345,6 +349,80 @@ void BM_CpuMoeSpeedup(benchmark::State& state, WeightFormat format, int num_expe
   state.counters["on_bw_fraction"] = unique * per_expert / (on_ms * 1e-3) / 1e9 / dram;
   state.counters["off_bw_fraction"] = routes * per_expert / (off_ms * 1e-3) / 1e9 / dram;
   state.SetLabel(absl::StrCat("threads=", Pool().num_workers()));
+}
+
+void BM_CpuMoeSpeedup(benchmark::State& state, WeightFormat format, int num_experts, int T) {
+  std::mt19937_64 rng(1000 + T);
+  const Routings routings = MakeRoutings(num_experts, T, rng);
+  SpeedupCase(state, format, num_experts, T, kTopK, routings, rng);
+}
+
+// Real routing (--trace=<.npy>, e.g. ../shared/traces/qwen3_30b_a3b_top6_expert_ids.npy: one
+// Qwen3-30B-A3B sequence, [tokens, layers, k] with k = 6): each step's batch is T tokens drawn at
+// random (without replacement) from one random layer's complete rows, as T requests decoding
+// together would route through that layer. The weights are the Qwen3-30B-A3B layer's shape
+// (E = 128, H = 2048, I = 768); the counters are BM_CpuMoeSpeedup's. Expert popularity is the
+// model's (skewed), but the tokens of one sequence also share context, so its reuse may run
+// above that of unrelated requests.
+std::string g_trace_path;
+
+struct TraceRows {
+  moe_cache::Trace trace;                  // [tokens, layers, k], -1 for padding
+  std::vector<std::vector<int>> complete;  // per layer: tokens with no padded slot
+};
+
+absl::StatusOr<TraceRows> ReadTrace(const std::string& path) {
+  absl::StatusOr<moe_cache::Trace> trace = moe_cache::ReadNpyTrace(path);
+  if (!trace.ok()) return trace.status();
+  TraceRows t{*std::move(trace), {}};
+  t.complete.resize(t.trace.layers);
+  for (int l = 0; l < t.trace.layers; ++l) {
+    for (int tok = 0; tok < t.trace.tokens; ++tok) {
+      const int32_t* row = t.trace.Row(tok, l);
+      if (std::all_of(row, row + t.trace.k, [](int32_t id) { return id >= 0; })) {
+        t.complete[l].push_back(tok);
+      }
+    }
+  }
+  return t;
+}
+
+void BM_CpuMoeTrace(benchmark::State& state, WeightFormat format, int T) {
+  static const absl::StatusOr<TraceRows>* trace = new absl::StatusOr<TraceRows>(ReadTrace(g_trace_path));
+  if (!trace->ok()) {
+    state.SkipWithError(trace->status().ToString().c_str());
+    return;
+  }
+  const TraceRows& t = **trace;
+  constexpr int kE = 128;  // Qwen3-30B-A3B
+  if (t.trace.MaxId() >= kE) {
+    state.SkipWithError(absl::StrCat("the trace has expert ids up to ", t.trace.MaxId(),
+                                     "; this case has ", kE, " experts")
+                            .c_str());
+    return;
+  }
+  std::mt19937_64 rng(2000 + T);
+  Routings r;
+  r.ids.resize(Routings::kCount);
+  r.unique.resize(Routings::kCount);
+  for (int s = 0; s < Routings::kCount; ++s) {
+    int layer = 0;
+    do {
+      layer = std::uniform_int_distribution<int>(0, t.trace.layers - 1)(rng);
+    } while (static_cast<int>(t.complete[layer].size()) < T);
+    std::vector<int> tokens = t.complete[layer];
+    std::shuffle(tokens.begin(), tokens.end(), rng);
+    std::vector<char> seen(kE, 0);
+    for (int i = 0; i < T; ++i) {
+      const int32_t* row = t.trace.Row(tokens[i], layer);
+      for (int j = 0; j < t.trace.k; ++j) {
+        r.ids[s].push_back(row[j]);
+        r.unique[s] += !seen[row[j]];
+        seen[row[j]] = 1;
+      }
+    }
+  }
+  SpeedupCase(state, format, kE, T, t.trace.k, r, rng);
 }
 
 // Cache-hot kernel throughput (not a DRAM figure): one bank of 8 experts (all routed by every
@@ -417,6 +495,19 @@ void RegisterAll() {
         const std::string name = absl::StrCat(
             "BM_CpuMoeSpeedup/", std::string(common::WeightFormatName(f)), "/", E, "/", T);
         benchmark::RegisterBenchmark(name.c_str(), BM_CpuMoeSpeedup, f, E, T)
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond)
+            ->MinTime(0.5);
+      }
+    }
+  }
+  if (!g_trace_path.empty()) {
+    for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kQ4_0,
+                           WeightFormat::kNvfp4, WeightFormat::kMxfp4}) {
+      for (int T : {8, 16, 32, 64}) {
+        const std::string name =
+            absl::StrCat("BM_CpuMoeTrace/", std::string(common::WeightFormatName(f)), "/", T);
+        benchmark::RegisterBenchmark(name.c_str(), BM_CpuMoeTrace, f, T)
             ->UseRealTime()
             ->Unit(benchmark::kMillisecond)
             ->MinTime(0.5);
@@ -634,6 +725,8 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "bad %s\n", a.c_str());
         return 2;
       }
+    } else if (a.rfind("--trace=", 0) == 0) {
+      moe::cpu_moe::g_trace_path = a.substr(8);
     } else if (a.rfind("--ab=", 0) == 0) {
       for (absl::string_view c : absl::StrSplit(a.substr(5), ',', absl::SkipEmpty())) {
         moe::cpu_moe::g_ab_cases.emplace_back(c);

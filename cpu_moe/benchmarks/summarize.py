@@ -8,8 +8,8 @@ time unique bytes take at the measured DRAM bandwidth (target <= 1.15 for T >= 8
 rate of the dedup-off arm counted in the bytes it reads (every route its own expert: bw_frac off
 x reuse): above 1 it exceeds the DRAM probe, so part of its repeated experts came from the
 last-level cache, and no dedup kernel can then reach a speedup of the whole reuse factor.
-Then, where the file has BM_CpuMoeSpeedup cases, the same speedup measured with both arms
-alternated step by step in one case (the arms of the first table run minutes apart, at DRAM
+Then, where the file has BM_CpuMoeSpeedup or BM_CpuMoeTrace cases, the same speedup measured
+with both arms alternated step by step in one case (the arms of the first table run minutes apart, at DRAM
 readings that can differ by 10-20%).
 """
 import json
@@ -31,9 +31,10 @@ def main(path):
     for (fmt, e, t, dedup), bs in runs.items():
         bs.sort(key=lambda b: b["ms_per_step"])
         rows.setdefault((fmt, e, t), {})[dedup] = bs[len(bs) // 2]
-    print("| format | E | T | ms off | ms on | reuse | speedup | speedup/reuse | bw_frac off | "
-          "bw_frac on | on / (unique/DRAM) | off: route bytes / DRAM |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    if rows:
+        print("| format | E | T | ms off | ms on | reuse | speedup | speedup/reuse | bw_frac off | "
+              "bw_frac on | on / (unique/DRAM) | off: route bytes / DRAM |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (fmt, e, t), r in rows.items():
         off, on = r.get(0), r.get(1)
         if not off or not on:
@@ -45,29 +46,32 @@ def main(path):
               f"{off['bw_fraction']:.2f} | {on['bw_fraction']:.2f} | "
               f"{on['ms_per_step'] / ideal:.2f} | {off['bw_fraction'] * on['reuse']:.2f} |")
 
-    # BM_CpuMoeSpeedup: the two arms alternated step by step in one case (median repetition by
-    # speedup).
-    sp_runs = {}
-    for b in data["benchmarks"]:
-        parts = b["name"].split("/")
-        if parts[0] != "BM_CpuMoeSpeedup" or "speedup" not in b or b.get("run_type") == "aggregate":
+    # BM_CpuMoeSpeedup (uniform routing) and BM_CpuMoeTrace (a recorded trace's routing, E=128):
+    # the two arms alternated step by step in one case (median repetition by speedup).
+    for family, title in (("BM_CpuMoeSpeedup", "uniform routing"),
+                          ("BM_CpuMoeTrace", "routing of the recorded trace, E=128")):
+        sp_runs = {}
+        for b in data["benchmarks"]:
+            parts = b["name"].split("/")
+            if parts[0] != family or "speedup" not in b or b.get("run_type") == "aggregate":
+                continue
+            key = (parts[1], int(parts[2]), int(parts[3])) if family == "BM_CpuMoeSpeedup" \
+                else (parts[1], 128, int(parts[2]))
+            sp_runs.setdefault(key, []).append(b)
+        if not sp_runs:
             continue
-        sp_runs.setdefault((parts[1], int(parts[2]), int(parts[3])), []).append(b)
-    if not sp_runs:
-        return
-    print()
-    print("Side by side (BM_CpuMoeSpeedup, dedup on and off alternated step by step):")
-    print()
-    print("| format | E | T | ms off | ms on | reuse | speedup | speedup/reuse | bw_frac on | "
-          "off: route bytes / DRAM | DRAM GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for (fmt, e, t), bs in sp_runs.items():
-        bs.sort(key=lambda b: b["speedup"])
-        b = bs[len(bs) // 2]
-        print(f"| {fmt} | {e} | {t} | {b['off_ms']:.2f} | {b['on_ms']:.2f} | {b['reuse']:.2f} | "
-              f"{b['speedup']:.2f} | {b['speedup_over_reuse']:.2f} | {b['on_bw_fraction']:.2f} | "
-              f"{b['off_bw_fraction']:.2f} | {b['dram_gbps']:.0f} |")
-
+        print()
+        print(f"Side by side ({family}, {title}, dedup on and off alternated step by step):")
+        print()
+        print("| format | E | T | ms off | ms on | reuse | speedup | speedup/reuse | bw_frac on | "
+              "off: route bytes / DRAM | DRAM GB/s |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for (fmt, e, t), bs in sp_runs.items():
+            bs.sort(key=lambda b: b["speedup"])
+            b = bs[len(bs) // 2]
+            print(f"| {fmt} | {e} | {t} | {b['off_ms']:.2f} | {b['on_ms']:.2f} | {b['reuse']:.2f} | "
+                  f"{b['speedup']:.2f} | {b['speedup_over_reuse']:.2f} | {b['on_bw_fraction']:.2f} | "
+                  f"{b['off_bw_fraction']:.2f} | {b['dram_gbps']:.0f} |")
 
 if __name__ == "__main__":
     main(sys.argv[1])
