@@ -43,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -365,6 +366,7 @@ void BM_CpuMoeSpeedup(benchmark::State& state, WeightFormat format, int num_expe
 // model's (skewed), but the tokens of one sequence also share context, so its reuse may run
 // above that of unrelated requests.
 std::string g_trace_path;
+constexpr int kTraceExperts = 128;  // Qwen3-30B-A3B
 
 struct TraceRows {
   moe_cache::Trace trace;                  // [tokens, layers, k], -1 for padding
@@ -387,24 +389,13 @@ absl::StatusOr<TraceRows> ReadTrace(const std::string& path) {
   return t;
 }
 
-void BM_CpuMoeTrace(benchmark::State& state, WeightFormat format, int T) {
-  static const absl::StatusOr<TraceRows>* trace = new absl::StatusOr<TraceRows>(ReadTrace(g_trace_path));
-  if (!trace->ok()) {
-    state.SkipWithError(trace->status().ToString().c_str());
-    return;
-  }
-  const TraceRows& t = **trace;
-  constexpr int kE = 128;  // Qwen3-30B-A3B
-  if (t.trace.MaxId() >= kE) {
-    state.SkipWithError(absl::StrCat("the trace has expert ids up to ", t.trace.MaxId(),
-                                     "; this case has ", kE, " experts")
-                            .c_str());
-    return;
-  }
-  std::mt19937_64 rng(2000 + T);
+// A pool of batches of T tokens from the trace: each from one random layer with at least T
+// complete rows, the tokens drawn without replacement.
+Routings MakeTraceRoutings(const TraceRows& t, int T, std::mt19937_64& rng) {
   Routings r;
   r.ids.resize(Routings::kCount);
   r.unique.resize(Routings::kCount);
+  const int num_experts = t.trace.MaxId() + 1;
   for (int s = 0; s < Routings::kCount; ++s) {
     int layer = 0;
     do {
@@ -412,7 +403,7 @@ void BM_CpuMoeTrace(benchmark::State& state, WeightFormat format, int T) {
     } while (static_cast<int>(t.complete[layer].size()) < T);
     std::vector<int> tokens = t.complete[layer];
     std::shuffle(tokens.begin(), tokens.end(), rng);
-    std::vector<char> seen(kE, 0);
+    std::vector<char> seen(num_experts, 0);
     for (int i = 0; i < T; ++i) {
       const int32_t* row = t.trace.Row(tokens[i], layer);
       for (int j = 0; j < t.trace.k; ++j) {
@@ -422,7 +413,45 @@ void BM_CpuMoeTrace(benchmark::State& state, WeightFormat format, int T) {
       }
     }
   }
-  SpeedupCase(state, format, kE, T, t.trace.k, r, rng);
+  return r;
+}
+
+// The trace of --trace, read once; an error where none was given or it does not hold a batch of
+// T tokens of the 128-expert layer the cases use.
+const TraceRows* TraceFor(int T, std::string* error) {
+  static const absl::StatusOr<TraceRows>* trace =
+      new absl::StatusOr<TraceRows>(g_trace_path.empty()
+                                        ? absl::InvalidArgumentError("no --trace=<.npy> given")
+                                        : ReadTrace(g_trace_path));
+  if (!trace->ok()) {
+    *error = trace->status().ToString();
+    return nullptr;
+  }
+  const TraceRows& t = **trace;
+  if (t.trace.MaxId() >= kTraceExperts) {
+    *error = absl::StrCat("the trace has expert ids up to ", t.trace.MaxId(), "; the cases have ",
+                          kTraceExperts, " experts");
+    return nullptr;
+  }
+  size_t most = 0;
+  for (const std::vector<int>& c : t.complete) most = std::max(most, c.size());
+  if (most < static_cast<size_t>(T)) {
+    *error = absl::StrCat("no layer of the trace has ", T, " complete rows");
+    return nullptr;
+  }
+  return &t;
+}
+
+void BM_CpuMoeTrace(benchmark::State& state, WeightFormat format, int T) {
+  std::string error;
+  const TraceRows* t = TraceFor(T, &error);
+  if (t == nullptr) {
+    state.SkipWithError(error.c_str());
+    return;
+  }
+  std::mt19937_64 rng(2000 + T);
+  const Routings r = MakeTraceRoutings(*t, T, rng);
+  SpeedupCase(state, format, kTraceExperts, T, t->trace.k, r, rng);
 }
 
 // Cache-hot kernel throughput (not a DRAM figure): one bank of 8 experts (all routed by every
@@ -538,7 +567,8 @@ void RegisterAll() {
 // process, interleaved, so that they share the machine's state (a VM's DRAM bandwidth moves by
 // 10% and more between processes, more than most tuning effects).
 //
-//   --ab=<format>/<E>/<T>/<dedup>[,...]  cases (names as in BM_CpuMoe)
+//   --ab=<format>/<E>/<T>/<dedup>[,...]  cases (names as in BM_CpuMoe), or trace:<format>/<T>
+//       for BM_CpuMoeTrace's routing (with --trace; E=128, dedup on)
 //   --variant=<name>:<ENV>=<value>[;<ENV>=<value>...]   (repeatable; an empty list = defaults)
 //   --ab_reps=<n> (default 9)
 // Every rep runs each variant for about 0.15 s (whole steps), in an order rotated by one per rep,
@@ -579,12 +609,18 @@ int RunAb() {
     for (const auto& kv : v.env) all_vars.push_back(kv.first);
   }
   for (const std::string& c : g_ab_cases) {
-    const std::vector<std::string> parts = absl::StrSplit(c, '/');
+    // "trace:<format>/<T>": BM_CpuMoeTrace's routing, with dedup.
+    const bool from_trace = absl::StartsWith(c, "trace:");
+    const std::vector<std::string> parts =
+        absl::StrSplit(from_trace ? c.substr(6) + "/1" : c, '/');
     WeightFormat format;
-    int E = 0, T = 0, dedup = 0;
-    bool ok = parts.size() == 4 && absl::SimpleAtoi(parts[1], &E) &&
-              absl::SimpleAtoi(parts[2], &T) && absl::SimpleAtoi(parts[3], &dedup) && E > 0 &&
-              T > 0;
+    int E = kTraceExperts, T = 0, dedup = 0;
+    bool ok = from_trace
+                  ? parts.size() == 3 && absl::SimpleAtoi(parts[1], &T) && T > 0
+                  : parts.size() == 4 && absl::SimpleAtoi(parts[1], &E) &&
+                        absl::SimpleAtoi(parts[2], &T) && absl::SimpleAtoi(parts[3], &dedup) &&
+                        E > 0 && T > 0;
+    if (from_trace) dedup = 1;
     if (ok) {
       ok = false;
       for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kQ4_0,
@@ -596,15 +632,30 @@ int RunAb() {
       }
     }
     if (!ok) {
-      std::fprintf(stderr, "bad --ab case '%s' (want format/E/T/dedup, e.g. q4_0/256/1/1)\n",
+      std::fprintf(stderr,
+                   "bad --ab case '%s' (want format/E/T/dedup, e.g. q4_0/256/1/1, or "
+                   "trace:format/T with --trace)\n",
                    c.c_str());
       return 2;
     }
+    int top_k = kTopK;
+    Routings routings;
+    std::mt19937_64 rng(1000 + T);
+    if (from_trace) {
+      std::string error;
+      const TraceRows* t = TraceFor(T, &error);
+      if (t == nullptr) {
+        std::fprintf(stderr, "--ab case '%s': %s\n", c.c_str(), error.c_str());
+        return 2;
+      }
+      top_k = t->trace.k;
+      routings = MakeTraceRoutings(*t, T, rng);
+    } else {
+      routings = MakeRoutings(E, T, rng);
+    }
     Banks& banks = GetBanks(format, E);
     const ExpertBank& b0 = banks.banks[0];
-    std::mt19937_64 rng(1000 + T);
-    const Routings routings = MakeRoutings(E, T, rng);
-    std::vector<float> w(T * kTopK, 1.0f / kTopK);
+    std::vector<float> w(T * top_k, 1.0f / top_k);
     std::vector<float> x(static_cast<size_t>(T) * kH), y(x.size());
     std::normal_distribution<float> nd(0.0f, 1.0f);
     for (float& v : x) v = nd(rng);
@@ -623,12 +674,12 @@ int RunAb() {
         Options opt = Options::FromEnv();
         opt.dedup = dedup != 0;
         opt.debug = false;
-        const int r = static_cast<int>(step % Routings::kCount);
+        const int r = static_cast<int>(step % routings.ids.size());
         const ExpertBank& bank = banks.banks[step % banks.banks.size()];
         ++step;
         const auto t0 = std::chrono::steady_clock::now();
         const absl::Status st =
-            Forward(bank, T, kTopK, routings.ids[r], w, x, absl::MakeSpan(y), opt, Pool(), &fs);
+            Forward(bank, T, top_k, routings.ids[r], w, x, absl::MakeSpan(y), opt, Pool(), &fs);
         const auto t1 = std::chrono::steady_clock::now();
         if (!st.ok()) {
           std::fprintf(stderr, "%s: %s\n", v.name.c_str(), st.ToString().c_str());
@@ -672,7 +723,7 @@ int RunAb() {
         const Sample& smp = samples[vi][rep];
         const double limit = std::max(dram[rep], dram[rep + 1]);
         const double ub = smp.unique * b0.BytesPerExpert();
-        const double experts = experts_per_route > 0 ? T * kTopK : smp.unique;
+        const double experts = experts_per_route > 0 ? T * top_k : smp.unique;
         ms.push_back(smp.ms);
         frac.push_back(ub / (smp.ms * 1e-3) / 1e9 / limit);
         f1.push_back(experts * b0.GateUpBytesPerExpert() / (smp.p1_ms * 1e-3) / 1e9 / limit);
