@@ -294,13 +294,17 @@ void EnvInt(const char* name, int* value) {
 // Options with every kAuto tuning value replaced by the format's own (see Options::kAuto).
 Options ResolveTuning(const Options& options, WeightFormat format) {
   Options o = options;
-  // AMX from 5 routes per expert for fp8, never for bf16. One dev-box core, weights in L3, GB/s
-  // at 1 / 4 / 8 routes: fp8 through vdpbf16ps 21 / 8.6 / 4.4, through AMX 13 / 12.5 / 11.7;
-  // bf16 through vdpbf16ps 27 / 23 / 13, through AMX 18 / 18 / 16.6. Side by side on the GPU
-  // machine's host (benchmarks/h200host_tuning_2026-11-30_session4.md): fp8 from 5 routes
+  // AMX from 5 routes per expert for fp8, from 12 for bf16. One dev-box core, weights in L3,
+  // GB/s at 1 / 4 / 8 routes: fp8 through vdpbf16ps 21 / 8.6 / 4.4, through AMX 13 / 12.5 /
+  // 11.7; bf16 through vdpbf16ps 27 / 23 / 13, through AMX 18 / 18 / 16.6. Side by side on the
+  // GPU machine's host (benchmarks/h200host_tuning_2026-11-30_session4.md): fp8 from 5 routes
   // against from 3: T=16 4-5% faster, T=64 1-2% slower, and 16% faster than without AMX at
-  // T=64 with E=128; bf16 through AMX from 3, 4 or 6 routes was 2-12% slower than without.
-  if (o.amx_min_routes == Options::kAuto) o.amx_min_routes = format == WeightFormat::kBf16 ? 0 : 5;
+  // T=64 with E=128; bf16 through AMX from 3, 4 or 6 routes was 2-12% slower than without
+  // under uniform routing. Real routing is skewed (in the recorded Qwen3-30B-A3B trace a batch
+  // of 64 has experts with 20-40 routes), and there bf16 from 8, 12 or 16 routes made T=64
+  // steps 7-8.5% faster, while uniform routing (which rarely gives an expert 12 routes) stayed
+  // within 3% (benchmarks/h200host_tuning_2026-11-30_session7.md).
+  if (o.amx_min_routes == Options::kAuto) o.amx_min_routes = format == WeightFormat::kBf16 ? 12 : 5;
   const bool four_bit = format == WeightFormat::kQ4_0 || format == WeightFormat::kNvfp4 ||
                         format == WeightFormat::kMxfp4;
   // Side-by-side runs on the GPU machine's host (cpu_moe_bench --ab, 2026-11-30, see

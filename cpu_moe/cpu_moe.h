@@ -9,7 +9,7 @@
 // bytes; pass 2 writes each route's rows apart and sums every token's routes at the end.
 // Quantized formats use int8 dot products (VNNI where the CPU has it) against activations
 // quantized per 32-element block like llama.cpp's Q8_0; bf16 and fp8 (decoded exactly to bf16)
-// use the CPU's bf16 dot product (AVX512_BF16, and AMX tiles for fp8 experts with many routes)
+// use the CPU's bf16 dot product (AVX512_BF16, and AMX tiles for experts with many routes)
 // against activations rounded to bf16 where present, fp32 FMAs elsewhere.
 // ISA targets come from Highway dynamic dispatch, chosen once per Forward call.
 //
@@ -110,8 +110,8 @@ struct Options {
   // first). Same activation rounding as bf16_dot_product; only the fp32 summation order
   // differs. ForwardStats::amx says whether it ran for any expert.
   bool amx = true;
-  // Routes an expert needs in a call to go through AMX; 0: none. kAuto: 5 for fp8 and 0 (none)
-  // for bf16, as measured side by side on the GPU machine's host (see ResolveTuning).
+  // Routes an expert needs in a call to go through AMX; 0: none. kAuto: 5 for fp8 and 12 for
+  // bf16, as measured side by side on the GPU machine's host (see ResolveTuning).
   int amx_min_routes = -1;
   // Highway target name ("AVX3_DL", "AVX3", "AVX2", "SSE4", ...) to cap dispatch at; empty: the
   // best target the CPU supports. A cap naming a supported target runs exactly that target.

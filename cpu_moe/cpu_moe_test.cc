@@ -673,5 +673,38 @@ TEST_F(CpuMoeTest, AmxEnvSwitchAndStats) {
   }
 }
 
+// The default thresholds (Options::kAuto): fp8 experts go through AMX from 5 routes, bf16
+// experts from 12. Every token routes to experts 0..kTopK-1, so each has T routes.
+TEST_F(CpuMoeTest, AmxDefaultThresholds) {
+  const std::string best = AvailableTargets().front();
+  std::mt19937_64 rng(22);
+  struct Case {
+    WeightFormat format;
+    int T;
+    bool amx;
+  };
+  for (const Case& c : {Case{WeightFormat::kBf16, 11, false}, Case{WeightFormat::kBf16, 12, true},
+                        Case{WeightFormat::kFp8Block, 4, false},
+                        Case{WeightFormat::kFp8Block, 5, true}}) {
+    const HostBank hb = MakeRandomBank(c.format, kE, kH, kI, 24, false);
+    std::vector<int32_t> ids;
+    std::vector<float> w;
+    for (int t = 0; t < c.T; ++t) {
+      for (int j = 0; j < kTopK; ++j) {
+        ids.push_back(j);
+        w.push_back(1.0f / kTopK);
+      }
+    }
+    const std::vector<float> x = RandomX(c.T, kH, rng);
+    std::vector<float> y(x.size());
+    Options o;
+    o.onednn_min_tokens_per_expert = 0;  // the GEMV kernels, where AMX is decided
+    ForwardStats st;
+    ASSERT_TRUE(Forward(hb.bank, c.T, kTopK, ids, w, x, absl::MakeSpan(y), o, pool_, &st).ok());
+    EXPECT_EQ(st.amx, c.amx && AmxRunsAt(best))
+        << common::WeightFormatName(c.format) << " with " << c.T << " routes per expert";
+  }
+}
+
 }  // namespace
 }  // namespace moe::cpu_moe
