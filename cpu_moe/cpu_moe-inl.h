@@ -1400,32 +1400,34 @@ HWY_INLINE void AmxDotRows(const MatrixRef& mat, size_t e, size_t a_row0, long b
   };
   const Fp8Decoder dec;
   AmxScope amx;
-  for (int s0 = 0; s0 < n; s0 += 16) {
-    const int nr = std::min(16, n - s0);
-    const uint32_t* bpack = bgroup + AmxSubgroupOffset(nch, s0);
-    AmxStager<kFp8> cur = stager_for(0, 0);
-    cur.Advance(dec, cur.total);
-    int buf = 0;
-    for (size_t j0 = 0; j0 < nrows;) {
-      const size_t m = static_cast<size_t>(cur.m);
-      AmxStager<kFp8> next = stager_for(j0 + m, buf ^ 1);
+  // Each tile's rows are staged once and serve every subgroup of 16 routes in turn (a group
+  // with 36 routes runs three); the next tile is staged during the first subgroup's
+  // instructions (AmxRowsTile advances it, and finds nothing left to do in the later ones).
+  AmxStager<kFp8> cur = stager_for(0, 0);
+  cur.Advance(dec, cur.total);
+  int buf = 0;
+  for (size_t j0 = 0; j0 < nrows;) {
+    const size_t m = static_cast<size_t>(cur.m);
+    AmxStager<kFp8> next = stager_for(j0 + m, buf ^ 1);
+    const size_t ra = a_row0 + j0, rb = two ? static_cast<size_t>(b_row0) + j0 : 0;
+    for (int s0 = 0; s0 < n; s0 += 16) {
+      const int nr = std::min(16, n - s0);
       amx.Configure(cur.m, nr);
-      const size_t ra = a_row0 + j0, rb = two ? static_cast<size_t>(b_row0) + j0 : 0;
       AmxRowsTile<kFp8>(cur.sa, two ? cur.sb : nullptr, spitch, cur.m, k,
                         kFp8 ? scales + (ra / common::kFp8BlockSize) * bcols : nullptr,
                         kFp8 && two ? scales + (rb / common::kFp8BlockSize) * bcols : nullptr,
-                        bpack, nr, dec, next, acc_a, acc_b);
-      next.Advance(dec, next.total);  // whatever the interleaving left
+                        bgroup + AmxSubgroupOffset(nch, s0), nr, dec, next, acc_a, acc_b);
       for (size_t j = 0; j < m; ++j) {
         for (int i = 0; i < nr; ++i) {
           store(0, j0 + j, s0 + i, acc_a[j * nr + i]);
           if (two) store(1, j0 + j, s0 + i, acc_b[j * nr + i]);
         }
       }
-      j0 += m;
-      cur = next;
-      buf ^= 1;
     }
+    next.Advance(dec, next.total);  // whatever the interleaving left
+    j0 += m;
+    cur = next;
+    buf ^= 1;
   }
 }
 #endif
