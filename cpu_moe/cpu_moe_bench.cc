@@ -164,7 +164,8 @@ Banks& GetBanks(WeightFormat format, int num_experts) {
     ExpertBank eb = tmpl.bank;
     eb.num_experts = num_experts;
     eb.gate_up_weights = b->gu_w->data() + e0 * tmpl.gate_up_w.size();
-    eb.gate_up_scales = tmpl.gate_up_s.empty() ? nullptr : b->gu_s->data() + e0 * tmpl.gate_up_s.size();
+    eb.gate_up_scales =
+        tmpl.gate_up_s.empty() ? nullptr : b->gu_s->data() + e0 * tmpl.gate_up_s.size();
     eb.gate_up_global_scales = b->gu_g.data() + e0;
     eb.down_weights = b->dn_w->data() + e0 * tmpl.down_w.size();
     eb.down_scales = tmpl.down_s.empty() ? nullptr : b->dn_s->data() + e0 * tmpl.down_s.size();
@@ -210,6 +211,18 @@ Routings MakeRoutings(int num_experts, int T, std::mt19937_64& rng) {
   return r;
 }
 
+// Equal routing weights and x drawn from N(0, 1) for T tokens of top_k routes, and y to match.
+struct StepInputs {
+  std::vector<float> w, x, y;
+  StepInputs(int T, int top_k, std::mt19937_64& rng)
+      : w(static_cast<size_t>(T) * top_k, 1.0f / top_k),
+        x(static_cast<size_t>(T) * kH),
+        y(x.size()) {
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (float& v : x) v = nd(rng);
+  }
+};
+
 void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, int T, bool dedup) {
   Banks& banks = GetBanks(format, num_experts);
   const double dram_before = DramNow();
@@ -219,10 +232,7 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
   const auto& ids = routings.ids;
   const auto& unique = routings.unique;
   constexpr int kRoutings = Routings::kCount;
-  std::vector<float> w(T * kTopK, 1.0f / kTopK);
-  std::vector<float> x(static_cast<size_t>(T) * kH), y(x.size());
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (float& v : x) v = nd(rng);
+  StepInputs in(T, kTopK, rng);
   Options opt = Options::FromEnv();
   opt.dedup = dedup;
   opt.debug = false;
@@ -237,7 +247,7 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
     const int s = static_cast<int>(step % kRoutings);
     const auto t0 = std::chrono::steady_clock::now();
     const absl::Status st =
-        Forward(bank, T, kTopK, ids[s], w, x, absl::MakeSpan(y), opt, Pool(), &fs);
+        Forward(bank, T, kTopK, ids[s], in.w, in.x, absl::MakeSpan(in.y), opt, Pool(), &fs);
     const auto t1 = std::chrono::steady_clock::now();
     phase[0] += fs.prep_x_seconds;
     phase[1] += fs.pass1_seconds;
@@ -306,10 +316,7 @@ void SpeedupCase(benchmark::State& state, WeightFormat format, int num_experts, 
   Banks& banks = GetBanks(format, num_experts);
   const double dram_before = DramNow();
   const size_t per_expert = banks.banks[0].BytesPerExpert();
-  std::vector<float> w(T * top_k, 1.0f / top_k);
-  std::vector<float> x(static_cast<size_t>(T) * kH), y(x.size());
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (float& v : x) v = nd(rng);
+  StepInputs in(T, top_k, rng);
   Options opt = Options::FromEnv();
   opt.debug = false;
   size_t step = 0, pairs = 0;
@@ -324,7 +331,7 @@ void SpeedupCase(benchmark::State& state, WeightFormat format, int num_experts, 
       ++step;
       const auto t0 = std::chrono::steady_clock::now();
       const absl::Status st =
-          Forward(bank, T, top_k, routings.ids[s], w, x, absl::MakeSpan(y), opt, Pool());
+          Forward(bank, T, top_k, routings.ids[s], in.w, in.x, absl::MakeSpan(in.y), opt, Pool());
       const auto t1 = std::chrono::steady_clock::now();
       if (!st.ok()) {
         state.SkipWithError(st.ToString().c_str());
@@ -550,8 +557,8 @@ void RegisterAll() {
     for (int E : {256, 128}) {
       for (int T : {1, 4, 8, 16, 32, 64}) {
         for (int dedup : {0, 1}) {
-          const std::string name = absl::StrCat("BM_CpuMoe/", std::string(common::WeightFormatName(f)), "/", E,
-                                                "/", T, "/", dedup);
+          const std::string name = absl::StrCat(
+              "BM_CpuMoe/", std::string(common::WeightFormatName(f)), "/", E, "/", T, "/", dedup);
           benchmark::RegisterBenchmark(name.c_str(), BM_CpuMoe, f, E, T, dedup != 0)
               ->UseRealTime()
               ->Unit(benchmark::kMillisecond)
@@ -655,10 +662,7 @@ int RunAb() {
     }
     Banks& banks = GetBanks(format, E);
     const ExpertBank& b0 = banks.banks[0];
-    std::vector<float> w(T * top_k, 1.0f / top_k);
-    std::vector<float> x(static_cast<size_t>(T) * kH), y(x.size());
-    std::normal_distribution<float> nd(0.0f, 1.0f);
-    for (float& v : x) v = nd(rng);
+    StepInputs in(T, top_k, rng);
     size_t step = 0;
     struct Sample {
       double ms, p1_ms, p2_ms, unique;
@@ -679,7 +683,8 @@ int RunAb() {
         ++step;
         const auto t0 = std::chrono::steady_clock::now();
         const absl::Status st =
-            Forward(bank, T, top_k, routings.ids[r], w, x, absl::MakeSpan(y), opt, Pool(), &fs);
+            Forward(bank, T, top_k, routings.ids[r], in.w, in.x, absl::MakeSpan(in.y), opt,
+                    Pool(), &fs);
         const auto t1 = std::chrono::steady_clock::now();
         if (!st.ok()) {
           std::fprintf(stderr, "%s: %s\n", v.name.c_str(), st.ToString().c_str());
