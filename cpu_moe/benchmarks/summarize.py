@@ -9,8 +9,9 @@ rate of the dedup-off arm counted in the bytes it reads (every route its own exp
 x reuse): above 1 it exceeds the DRAM probe, so part of its repeated experts came from the
 last-level cache, and no dedup kernel can then reach a speedup of the whole reuse factor.
 Then, where the file has BM_CpuMoeSpeedup or BM_CpuMoeTrace cases, the same speedup measured
-with both arms alternated step by step in one case (the arms of the first table run minutes apart, at DRAM
-readings that can differ by 10-20%).
+with both arms alternated step by step in one case (the arms of the first table run minutes
+apart, at DRAM readings that can differ by 10-20%). Last, which cases meet issue 3's targets
+and which do not.
 """
 import json
 import sys
@@ -46,6 +47,7 @@ def main(path):
               f"{off['bw_fraction']:.2f} | {on['bw_fraction']:.2f} | "
               f"{on['ms_per_step'] / ideal:.2f} | {off['bw_fraction'] * on['reuse']:.2f} |")
 
+    side_by_side = {}
     # BM_CpuMoeSpeedup (uniform routing) and BM_CpuMoeTrace (a recorded trace's routing, E=128):
     # the two arms alternated step by step in one case (median repetition by speedup).
     for family, title in (("BM_CpuMoeSpeedup", "uniform routing"),
@@ -69,9 +71,43 @@ def main(path):
         for (fmt, e, t), bs in sp_runs.items():
             bs.sort(key=lambda b: b["speedup"])
             b = bs[len(bs) // 2]
+            if family == "BM_CpuMoeSpeedup":
+                side_by_side[(fmt, e, t)] = b
             print(f"| {fmt} | {e} | {t} | {b['off_ms']:.2f} | {b['on_ms']:.2f} | {b['reuse']:.2f} | "
                   f"{b['speedup']:.2f} | {b['speedup_over_reuse']:.2f} | {b['on_bw_fraction']:.2f} | "
                   f"{b['off_bw_fraction']:.2f} | {b['dram_gbps']:.0f} |")
+    Targets(rows, side_by_side)
+
+
+def Targets(rows, side_by_side):
+    """Issue 3's targets against the cases present: what is met and what is missed."""
+    t1, step, speed = [], [], []
+    for (fmt, e, t), r in rows.items():
+        on = r.get(1)
+        if on is None:
+            continue
+        if t == 1:
+            need = 0.85 if fmt == "bf16" else 0.70
+            t1.append((on["bw_fraction"] >= need, f"{fmt}/{e}: {on['bw_fraction']:.2f} (>= {need})"))
+        elif t >= 8:
+            ratio = on["ms_per_step"] / (on["unique_bytes"] / (on["dram_gbps"] * 1e9) * 1e3)
+            step.append((ratio <= 1.15, f"{fmt}/{e}/{t}: {ratio:.2f}"))
+    for (fmt, e, t), b in side_by_side.items():
+        if t >= 8:
+            speed.append((b["speedup_over_reuse"] >= 0.9,
+                          f"{fmt}/{e}/{t}: {b['speedup_over_reuse']:.2f}"))
+    for title, items in (("T=1 bw_fraction (bf16 >= 0.85, quantized >= 0.70)", t1),
+                         ("dedup step / (unique bytes / DRAM) <= 1.15, T=8-64", step),
+                         ("speedup / reuse >= 0.9, side by side, T=8-64", speed)):
+        if not items:
+            continue
+        met = [text for ok, text in items if ok]
+        missed = [text for ok, text in items if not ok]
+        print()
+        print(f"{title}: {len(met)} of {len(items)} cases met")
+        if missed:
+            print("  missed: " + "; ".join(missed))
+
 
 if __name__ == "__main__":
     main(sys.argv[1])
