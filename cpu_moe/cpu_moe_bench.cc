@@ -747,9 +747,29 @@ int RunAb() {
 }  // namespace
 }  // namespace moe::cpu_moe
 
+// cpu_moe_bench's own flags, printed before Google Benchmark's for --help.
+constexpr char kUsage[] =
+    "cpu_moe_bench: cpu_moe's decode benchmark with the weights read from DRAM (see the header\n"
+    "of cpu_moe/cpu_moe_bench.cc). Its own flags, before Google Benchmark's:\n"
+    "  --total_gb=<GB>       weights per format (env MOE_BENCH_TOTAL_GB; default max(2, 8 x LLC))\n"
+    "  --threads=<n>         workers (default: physical cores)\n"
+    "  --probe_rounds=<n>    DRAM probe rounds per reading (default 3)\n"
+    "  --hugepages=0         weights on 4 KiB pages (default: transparent huge pages)\n"
+    "  --trace=<.npy>        also register BM_CpuMoeTrace/<format>/<T> on that routing trace\n"
+    "  --ab=<cases>          side-by-side mode: format/E/T/dedup or trace:format/T, comma-separated\n"
+    "  --variant=<name>:<ENV>=<v>[;<ENV>=<v>]  a variant of the library's env switches (--ab)\n"
+    "  --ab_reps=<n>         rounds of the side-by-side mode (default 9)\n"
+    "Families: BM_CpuMoe/<format>/<E>/<T>/<dedup>, BM_CpuMoeSpeedup/<format>/<E>/<T>,\n"
+    "BM_CpuMoeHot/<format>/<T>; python3 cpu_moe/benchmarks/summarize.py reads the JSON.\n\n";
+
 int main(int argc, char** argv) {
   using moe::cpu_moe::g_threads;
   using moe::cpu_moe::g_total_gb;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+      std::fputs(kUsage, stdout);  // Google Benchmark prints its own flags after this
+    }
+  }
   if (const char* e = std::getenv("MOE_BENCH_TOTAL_GB"); e != nullptr) {
     (void)absl::SimpleAtod(e, &g_total_gb);
   }
