@@ -64,6 +64,10 @@ namespace {
 using common::WeightFormat;
 
 constexpr int kH = 2048, kI = 768, kTopK = 8;
+// Every weight format, in the order the benchmark families and --ab list them.
+constexpr WeightFormat kFormats[] = {WeightFormat::kBf16, WeightFormat::kFp8Block,
+                                     WeightFormat::kQ4_0, WeightFormat::kNvfp4,
+                                     WeightFormat::kMxfp4};
 
 double g_total_gb = 0.0;  // 0: default
 int g_threads = 0;
@@ -511,8 +515,7 @@ void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int T) {
 }
 
 void RegisterAll() {
-  for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kQ4_0,
-                         WeightFormat::kNvfp4, WeightFormat::kMxfp4}) {
+  for (WeightFormat f : kFormats) {
     for (int T : {1, 4, 8}) {
       const std::string name =
           absl::StrCat("BM_CpuMoeHot/", std::string(common::WeightFormatName(f)), "/", T);
@@ -524,8 +527,7 @@ void RegisterAll() {
   }
   // T=1 is left out: with one token every expert has one route and both arms run the same
   // split (dedup is inert).
-  for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kQ4_0,
-                         WeightFormat::kNvfp4, WeightFormat::kMxfp4}) {
+  for (WeightFormat f : kFormats) {
     for (int E : {256, 128}) {
       for (int T : {4, 8, 16, 32, 64}) {
         const std::string name = absl::StrCat(
@@ -538,8 +540,7 @@ void RegisterAll() {
     }
   }
   if (!g_trace_path.empty()) {
-    for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kQ4_0,
-                           WeightFormat::kNvfp4, WeightFormat::kMxfp4}) {
+    for (WeightFormat f : kFormats) {
       for (int T : {8, 16, 32, 64}) {
         const std::string name =
             absl::StrCat("BM_CpuMoeTrace/", std::string(common::WeightFormatName(f)), "/", T);
@@ -550,10 +551,7 @@ void RegisterAll() {
       }
     }
   }
-  const WeightFormat formats[] = {WeightFormat::kBf16, WeightFormat::kFp8Block,
-                                  WeightFormat::kQ4_0, WeightFormat::kNvfp4,
-                                  WeightFormat::kMxfp4};
-  for (WeightFormat f : formats) {
+  for (WeightFormat f : kFormats) {
     for (int E : {256, 128}) {
       for (int T : {1, 4, 8, 16, 32, 64}) {
         for (int dedup : {0, 1}) {
@@ -630,8 +628,7 @@ int RunAb() {
     if (from_trace) dedup = 1;
     if (ok) {
       ok = false;
-      for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kQ4_0,
-                             WeightFormat::kNvfp4, WeightFormat::kMxfp4}) {
+      for (WeightFormat f : kFormats) {
         if (parts[0] == common::WeightFormatName(f)) {
           format = f;
           ok = true;
