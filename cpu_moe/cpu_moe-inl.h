@@ -204,9 +204,12 @@ class ActSet {
     return n * k * sizeof(float);
   }
   // block_lane: lay quantized activations out for QuantDotBlockLane (MatrixRef::block_lane).
+  // panels: for PanelDot instead (panel banks): [codes k, natural order][xs k/32 floats]
+  // [-offset x code sum per 16 columns, k/16 int32].
   // storage: Bytes(n, k) bytes, 64-byte aligned, which must outlive the set.
-  ActSet(size_t n, size_t k, bool block_lane, void* storage)
-      : k_(k), n_(n), block_lane_(block_lane), mem_(static_cast<uint8_t*>(storage)) {}
+  ActSet(size_t n, size_t k, bool block_lane, void* storage, bool panels = false)
+      : k_(k), n_(n), block_lane_(block_lane), panels_(panels),
+        mem_(static_cast<uint8_t*>(storage)) {}
 
   ActView View(size_t i) const {
     ActView v{};
@@ -260,6 +263,22 @@ class ActSet {
         // target here is x86 with SSE4, so 128-bit intrinsics serve all of them.)
         __m128i bl = _mm_load_si128(reinterpret_cast<const __m128i*>(q));
         __m128i bh = _mm_load_si128(reinterpret_cast<const __m128i*>(q + 16));
+        if (panels_) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 32 * b), bl);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 32 * b + 16), bh);
+          float* pxs = reinterpret_cast<float*>(lo + k_);
+          int32_t* pneg = reinterpret_cast<int32_t*>(lo + k_ + k_ / 8);
+          pxs[b] = d;
+          // Sums of 16 signed codes: psadbw of the codes biased to unsigned, both halves.
+          const __m128i bias = _mm_set1_epi8(static_cast<char>(0x80));
+          const __m128i sl = _mm_sad_epu8(_mm_xor_si128(bl, bias), _mm_setzero_si128());
+          const __m128i sh = _mm_sad_epu8(_mm_xor_si128(bh, bias), _mm_setzero_si128());
+          const int32_t suml = static_cast<int32_t>(_mm_cvtsi128_si64(sl) + _mm_extract_epi64(sl, 1)) - 2048;
+          const int32_t sumh = static_cast<int32_t>(_mm_cvtsi128_si64(sh) + _mm_extract_epi64(sh, 1)) - 2048;
+          pneg[2 * b] = -QuantOffset<F>() * suml;
+          pneg[2 * b + 1] = -QuantOffset<F>() * sumh;
+          continue;
+        }
         if constexpr (F != common::WeightFormat::kQ4_0) {
           const __m128i even_odd =
               _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
@@ -364,6 +383,7 @@ class ActSet {
   size_t k_;
   size_t n_;
   bool block_lane_;
+  bool panels_;
   uint8_t* mem_;
 };
 
@@ -898,6 +918,182 @@ HWY_INLINE size_t QuantDotBlockLane(const QuantRow* q, const ActView* acts, size
   return nb;
 }
 #endif
+
+// ---------------------------------------------------------------------------------------------
+// Panel banks (Layout::kPanels, cpu_moe.h): 16 rows per panel, int32 lane j of each vector row j.
+
+// Scale bytes per 32-column block of a panel.
+template <common::WeightFormat F>
+constexpr size_t PanelScaleBytes() {
+  return F == common::WeightFormat::kMxfp4 ? 16 : 32;
+}
+// Bytes of one panel of a matrix with k columns.
+template <common::WeightFormat F>
+HWY_INLINE size_t PanelBytes(size_t k) {
+  return k / 32 * (256 + PanelScaleBytes<F>());
+}
+
+// Row scales of a panel's block as f32 lanes: the n = Lanes(df) rows from `p` on (q4_0: fp16 d;
+// mxfp4: ue8m0 2^(e - 127), 0 -> 2^-127, 0xFF -> NaN; nvfp4: e4m3 value, 0x7F / 0xFF NaN), the
+// same values as the row-major kernels' lane scales.
+template <common::WeightFormat F, class DF>
+HWY_INLINE hn::Vec<DF> PanelScales(DF df, const uint8_t* HWY_RESTRICT p) {
+  const hn::RebindToUnsigned<DF> du32;
+  if constexpr (F == common::WeightFormat::kQ4_0) {
+    const hn::Rebind<hwy::float16_t, DF> df16;
+    return hn::PromoteTo(df, hn::LoadU(df16, reinterpret_cast<const hwy::float16_t*>(p)));
+  } else {
+    const auto c = hn::PromoteTo(du32, hn::LoadU(hn::Rebind<uint8_t, DF>(), p));
+    if constexpr (F == common::WeightFormat::kMxfp4) {
+      auto bits = hn::ShiftLeft<23>(c);
+      bits = hn::IfThenElse(hn::Eq(c, hn::Zero(du32)), hn::Set(du32, 0x00400000u), bits);
+      bits = hn::IfThenElse(hn::Eq(c, hn::Set(du32, 0xFFu)), hn::Set(du32, 0x7FC00000u), bits);
+      return hn::BitCast(df, bits);
+    } else {
+      // Exponent and mantissa moved to the f32 fields give value * 2^-120 (see E4m3Lanes).
+      const auto mag = hn::And(c, hn::Set(du32, 0x7Fu));
+      const auto bits = hn::Or(hn::ShiftLeft<20>(mag), hn::ShiftLeft<24>(hn::And(c, hn::Set(du32, 0x80u))));
+      const auto v = hn::Mul(hn::BitCast(df, bits), hn::Set(df, 0x1p120f));
+      return hn::IfThenElse(hn::RebindMask(df, hn::Eq(mag, hn::Set(du32, 0x7Fu))),
+                            hn::Set(df, std::numeric_limits<float>::quiet_NaN()), v);
+    }
+  }
+}
+
+// out[p * NT + t][j] = scale[t] * dot(row 16 panels[p] + j of expert e of m, acts[t]) for
+// p < NP, t < NT, j < 16: NP panels of a panel bank against NT activations in the panel layout
+// (ActSet with panels: int8 codes in natural order, a scale per 32 and -offset x the code sum
+// per 16 columns). Per 32-column block, each panel's 256 code bytes become 8 vectors of unsigned
+// codes, w[g] holding columns 4g..4g+3 of the block in lane j (row j), and each route's 4-byte
+// activation groups are broadcast to every lane: 8 dot products into one int32 sum per route
+// (nvfp4: two, one per 16-column block), converted and scaled once. Vectors narrower than 64
+// bytes take the panel's rows a slice at a time (rows [s/4, s/4 + N/4) for byte offset s).
+template <common::WeightFormat F, int NP, int NT>
+HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, const ActView* acts,
+                         const float* scale, float* const* out) {
+  const hn::CappedTag<uint8_t, 64> d8;
+  const hn::Repartition<int8_t, decltype(d8)> di8;
+  const hn::Repartition<int32_t, decltype(d8)> di32;
+  const hn::Repartition<float, decltype(d8)> df;
+  const size_t N8 = hn::Lanes(d8);
+  const size_t k = m.cols, nb = k / 32;
+  constexpr size_t kSb = PanelScaleBytes<F>();
+  constexpr bool kNv = F == common::WeightFormat::kNvfp4;
+  const size_t pf = m.prefetch.l1;
+  const auto mask = hn::Set(d8, 0x0F);
+  const auto lut = hn::LoadDup128(d8, kFp4Lut);
+  const uint8_t* codes[NP];
+  for (int p = 0; p < NP; ++p) {
+    codes[p] = static_cast<const uint8_t*>(m.weights) +
+               (e * (m.rows / 16) + panels[p]) * PanelBytes<F>(k);
+  }
+  for (size_t s = 0; s < 64; s += N8) {
+    hn::Vec<decltype(df)> acc[NP][NT];
+    for (int p = 0; p < NP; ++p) {
+      for (int t = 0; t < NT; ++t) acc[p][t] = hn::Zero(df);
+    }
+    for (size_t b = 0; b < nb; ++b) {
+      hn::Vec<decltype(d8)> w[NP][8];
+      hn::Vec<decltype(df)> ws[NP][kNv ? 2 : 1];
+      for (int p = 0; p < NP; ++p) {
+        const uint8_t* c = codes[p] + 256 * b;
+        const uint8_t* sc = codes[p] + 256 * nb + kSb * b;
+        if (pf != 0 && s == 0) {
+          for (size_t o = 0; o < 256; o += 64) Pf(c + pf + o);
+          Pf(sc + pf / 8);
+        }
+        for (int v = 0; v < 4; ++v) {
+          const auto raw = hn::LoadU(d8, c + 64 * v + s);
+          w[p][2 * v] = hn::And(raw, mask);
+          w[p][2 * v + 1] = hn::And(hn::ShiftRight<4>(raw), mask);
+          if constexpr (F != common::WeightFormat::kQ4_0) {
+            w[p][2 * v] = hn::TableLookupBytes(lut, w[p][2 * v]);
+            w[p][2 * v + 1] = hn::TableLookupBytes(lut, w[p][2 * v + 1]);
+          }
+        }
+        if constexpr (kNv) {
+          ws[p][0] = PanelScales<F>(df, sc + s / 4);
+          ws[p][1] = PanelScales<F>(df, sc + 16 + s / 4);
+        } else {
+          ws[p][0] = PanelScales<F>(df, sc + (F == common::WeightFormat::kQ4_0 ? s / 2 : s / 4));
+        }
+      }
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* q = acts[t].q;
+        const int8_t* a = q + 32 * b;
+        const float xs = reinterpret_cast<const float*>(q + k)[b];
+        const int32_t* neg = reinterpret_cast<const int32_t*>(q + k + k / 8) + 2 * b;
+        hn::Vec<decltype(di8)> x[8];
+        for (int g = 0; g < 8; ++g) {
+          int32_t word;
+          std::memcpy(&word, a + 4 * g, 4);
+          x[g] = hn::BitCast(di8, hn::Set(di32, word));
+        }
+        const auto xv = hn::Set(df, xs);
+        for (int p = 0; p < NP; ++p) {
+          if constexpr (kNv) {
+            for (int h = 0; h < 2; ++h) {
+              auto sum = hn::Set(di32, neg[h]);
+              for (int g = 4 * h; g < 4 * h + 4; ++g) sum = DotAcc(di32, sum, w[p][g], x[g]);
+              acc[p][t] = hn::MulAdd(hn::ConvertTo(df, sum), hn::Mul(ws[p][h], xv), acc[p][t]);
+            }
+          } else {
+            auto sum = hn::Set(di32, neg[0] + neg[1]);
+            for (int g = 0; g < 8; ++g) sum = DotAcc(di32, sum, w[p][g], x[g]);
+            acc[p][t] = hn::MulAdd(hn::ConvertTo(df, sum), hn::Mul(ws[p][0], xv), acc[p][t]);
+          }
+        }
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      for (int t = 0; t < NT; ++t) {
+        hn::StoreU(hn::Mul(acc[p][t], hn::Set(df, scale[t])), df, out[p * NT + t] + s / 4);
+      }
+    }
+  }
+}
+
+// PanelDot for any number n of activations, NT = 8 / NP at a time.
+template <common::WeightFormat F, int NP>
+HWY_INLINE void PanelDotMany(const MatrixRef& m, size_t e, const size_t* panels,
+                             const ActView* acts, const float* scale, int n, float* const* out) {
+  constexpr int kT = 8 / NP;
+  float* o[NP * kT];
+  for (int t = 0; t < n; t += kT) {
+    const int nt = std::min(kT, n - t);
+    for (int p = 0; p < NP; ++p) {
+      for (int i = 0; i < nt; ++i) o[p * nt + i] = out[p * n + t + i];
+    }
+    switch (nt) {
+      case 8: if constexpr (kT >= 8) PanelDot<F, NP, 8>(m, e, panels, acts + t, scale + t, o); break;
+      case 7: if constexpr (kT >= 8) PanelDot<F, NP, 7>(m, e, panels, acts + t, scale + t, o); break;
+      case 6: if constexpr (kT >= 8) PanelDot<F, NP, 6>(m, e, panels, acts + t, scale + t, o); break;
+      case 5: if constexpr (kT >= 8) PanelDot<F, NP, 5>(m, e, panels, acts + t, scale + t, o); break;
+      case 4: if constexpr (kT >= 4) PanelDot<F, NP, 4>(m, e, panels, acts + t, scale + t, o); break;
+      case 3: if constexpr (kT >= 4) PanelDot<F, NP, 3>(m, e, panels, acts + t, scale + t, o); break;
+      case 2: PanelDot<F, NP, 2>(m, e, panels, acts + t, scale + t, o); break;
+      default: PanelDot<F, NP, 1>(m, e, panels, acts + t, scale + t, o); break;
+    }
+  }
+}
+
+// The factor of a panel bank's sums before the route's own weight: the fp4 table's 1/2 and
+// nvfp4's global scale (as QuantRow::post).
+template <common::WeightFormat F>
+HWY_INLINE float PanelPost(const MatrixRef& m, size_t e) {
+  if constexpr (F == common::WeightFormat::kQ4_0) return 1.0f;
+  if constexpr (F == common::WeightFormat::kMxfp4) return 0.5f;
+  return 0.5f * m.globals[e];
+}
+
+// Prefetches the first m.prefetch.l1 bytes of panel `panel` of expert e (codes and scales).
+template <common::WeightFormat F>
+HWY_INLINE void PrefetchPanel(const MatrixRef& m, size_t e, size_t panel) {
+  const uint8_t* c =
+      static_cast<const uint8_t*>(m.weights) + (e * (m.rows / 16) + panel) * PanelBytes<F>(m.cols);
+  for (size_t o = 0; o < m.prefetch.l1 && o < 256 * (m.cols / 32); o += 64) Pf(c + o);
+  Pf(c + 256 * (m.cols / 32));
+}
 
 template <int NR, int NT, class DF>
 HWY_INLINE size_t Bf16DotLevel(DF df, const uint16_t* const* w, const ActView* acts, size_t i,
@@ -1764,8 +1960,14 @@ void ForwardFormat(ForwardPlan& plan) {
   const size_t R = plan.route_token.size();
   const size_t T = plan.num_tokens;
   const int workers = pool.num_workers() + 1;
-  const size_t pass1_rows = static_cast<size_t>(opt.pass1_rows);
-  const size_t pass2_rows = static_cast<size_t>(opt.pass2_rows);
+  // Panel banks (Layout::kPanels): items take whole 16-row panels (the row counts rounded up).
+  const bool panels = IsQuant<F>() && bank.layout == Layout::kPanels;
+  auto item_rows = [panels](int rows) {
+    return static_cast<size_t>(panels ? std::min(Options::kMaxRowsPerItem, (rows + 15) / 16 * 16)
+                                      : rows);
+  };
+  const size_t pass1_rows = item_rows(opt.pass1_rows);
+  const size_t pass2_rows = item_rows(opt.pass2_rows);
   const PfDist prefetch{static_cast<size_t>(opt.prefetch_bytes),
                        static_cast<size_t>(opt.prefetch_l2_bytes)};
   // Row streams per item (Options::row_streams): kAuto reads four streams where a group has at
@@ -1817,7 +2019,8 @@ void ForwardFormat(ForwardPlan& plan) {
   }
   const size_t NT = active_tokens.size();
   ActSet<F, kBf16Dot> xacts(NT, H, opt.block_lane,
-                            scratch.Get(CallScratch::kXActs, ActSet<F, kBf16Dot>::Bytes(NT, H)));
+                            scratch.Get(CallScratch::kXActs, ActSet<F, kBf16Dot>::Bytes(NT, H)),
+                            panels);
   // x is prepared in items of kXChunk columns while there are fewer tokens than workers (whole
   // rows otherwise), so that at T=1 the workers share it instead of waiting for one of them.
   constexpr size_t kXChunk = 256;
@@ -1889,7 +2092,8 @@ void ForwardFormat(ForwardPlan& plan) {
   float* const h = scratch.Get<float>(CallScratch::kH, R * I);
   float* const u = scratch.Get<float>(CallScratch::kU, R * I);
   ActSet<F, kBf16Dot> hacts(R, I, opt.block_lane,
-                            scratch.Get(CallScratch::kHActs, ActSet<F, kBf16Dot>::Bytes(R, I)));
+                            scratch.Get(CallScratch::kHActs, ActSet<F, kBf16Dot>::Bytes(R, I)),
+                            panels);
   const size_t G = plan.groups.size();
   const size_t nrb = (I + pass1_rows - 1) / pass1_rows;
   const size_t row_bytes1 = RowBytes(F, H);
@@ -1907,11 +2111,17 @@ void ForwardFormat(ForwardPlan& plan) {
     float* const out[4] = {gs, us, gs2, us2};
     const int streams = streams_for(n);
     const bool use_amx = amx_for(n);
-    if (!use_amx) {
+    if constexpr (IsQuant<F>()) {
+      if (panels) {
+        PrefetchPanel<F>(gate_up, g.expert, r0 / 16);
+        PrefetchPanel<F>(gate_up, g.expert, (I + r0) / 16);
+      }
+    }
+    if (!use_amx && !panels) {
       PrefetchRow(gate_up, g.expert, r0, row_bytes1);
       PrefetchRow(gate_up, g.expert, I + r0, row_bytes1);
     }
-    if (streams == 4 && !use_amx) {
+    if (streams == 4 && !use_amx && !panels) {
       PrefetchRow(gate_up, g.expert, r0 + (r1 - r0) / 2, row_bytes1);
       PrefetchRow(gate_up, g.expert, I + r0 + (r1 - r0) / 2, row_bytes1);
     }
@@ -1939,9 +2149,25 @@ void ForwardFormat(ForwardPlan& plan) {
         }
       }
 #endif
+      if constexpr (IsQuant<F>()) {
+        if (panels) {
+          // A gate panel with its up panel: 16 rows of each per PanelDot.
+          float post[64];
+          std::fill(post, post + nc, PanelPost<F>(gate_up, g.expert));
+          float* o[128];
+          for (size_t r = r0; r < r1; r += 16) {
+            const size_t pn[2] = {r / 16, (I + r) / 16};
+            for (int i = 0; i < nc; ++i) {
+              o[i] = hrow[i] + r;
+              o[nc + i] = urow[i] + r;
+            }
+            PanelDotMany<F, 2>(gate_up, g.expert, pn, acts, post, nc, o);
+          }
+        }
+      }
       // With four streams, gate and up rows of r and of r + half go together (rows [r0, r1)
       // split in two halves; an odd last row goes alone with its up row).
-      const size_t half = streams == 4 && !use_amx ? (r1 - r0) / 2 : 0;
+      const size_t half = streams == 4 && !use_amx && !panels ? (r1 - r0) / 2 : 0;
       for (size_t r = r0; r < r0 + half; ++r) {
         const size_t rows[4] = {r, I + r, r + half, I + r + half};
         DotRowsMany<F, 4, kBf16Dot>(gate_up, g.expert, rows, acts, nc, out);
@@ -1952,7 +2178,7 @@ void ForwardFormat(ForwardPlan& plan) {
           urow[i][r + half] = us2[i];
         }
       }
-      for (size_t r = use_amx ? r1 : r0 + 2 * half; r < r1; ++r) {
+      for (size_t r = use_amx || panels ? r1 : r0 + 2 * half; r < r1; ++r) {
         // The gate and up rows of r together: one pass over the activations for both.
         const size_t rows[2] = {r, I + r};
         if constexpr (kFuseRows<F>) {
@@ -2002,11 +2228,19 @@ void ForwardFormat(ForwardPlan& plan) {
     // pairs p, p + h (h = what is left / 2) of the rest; with two streams only the pairs.
     const int n = g.end - g.begin;
     const bool use_amx = amx_for(n);
-    const size_t q = streams_for(n) == 4 && !use_amx ? (h1 - h0) / 4 : 0;
+    const size_t q = streams_for(n) == 4 && !use_amx && !panels ? (h1 - h0) / 4 : 0;
     const size_t p0 = h0 + 4 * q;
-    const size_t half = use_amx ? 0 : (h1 - p0) / 2;
+    const size_t half = use_amx || panels ? 0 : (h1 - p0) / 2;
+    // Panel banks: panels [ph0, ph1) of the block, P with P + np / 2 (an odd last one alone).
+    const size_t ph0 = h0 / 16, np = (h1 - h0) / 16, phalf = panels ? np / 2 : 0;
+    if constexpr (IsQuant<F>()) {
+      if (panels) {
+        PrefetchPanel<F>(down, g.expert, ph0);
+        if (phalf > 0) PrefetchPanel<F>(down, g.expert, ph0 + phalf);
+      }
+    }
     for (size_t j = 0; j < (q > 0 ? 4 : 0); ++j) PrefetchRow(down, g.expert, h0 + j * q, row_bytes2);
-    if (!use_amx) {
+    if (!use_amx && !panels) {
       PrefetchRow(down, g.expert, p0, row_bytes2);
       PrefetchRow(down, g.expert, p0 + half, row_bytes2);
     }
@@ -2036,6 +2270,27 @@ void ForwardFormat(ForwardPlan& plan) {
         }
       }
 #endif
+      if constexpr (IsQuant<F>()) {
+        if (panels) {
+          float scale[64];
+          const float post = PanelPost<F>(down, g.expert);
+          for (int i = 0; i < nc; ++i) scale[i] = post * wt[i];
+          float* o[128];
+          for (size_t p = 0; p < phalf; ++p) {
+            const size_t pn[2] = {ph0 + p, ph0 + phalf + p};
+            for (int i = 0; i < nc; ++i) {
+              o[i] = dst[i] + 16 * pn[0];
+              o[nc + i] = dst[i] + 16 * pn[1];
+            }
+            PanelDotMany<F, 2>(down, g.expert, pn, acts, scale, nc, o);
+          }
+          if (np % 2 != 0) {
+            const size_t pn[1] = {ph0 + np - 1};
+            for (int i = 0; i < nc; ++i) o[i] = dst[i] + 16 * pn[0];
+            PanelDotMany<F, 1>(down, g.expert, pn, acts, scale, nc, o);
+          }
+        }
+      }
       for (size_t p = 0; p < q; ++p) {
         const size_t rows[4] = {h0 + p, h0 + q + p, h0 + 2 * q + p, h0 + 3 * q + p};
         DotRowsMany<F, 4, kBf16Dot>(down, g.expert, rows, acts, nc, out);

@@ -148,8 +148,21 @@ absl::Status ValidateBank(const ExpertBank& b) {
   if (b.gate_up_weights == nullptr || b.down_weights == nullptr) {
     return absl::InvalidArgumentError("expert bank has null weights");
   }
-  const bool needs_scales = b.format == WeightFormat::kFp8Block ||
-                            b.format == WeightFormat::kMxfp4 || b.format == WeightFormat::kNvfp4;
+  const bool four_bit = b.format == WeightFormat::kQ4_0 || b.format == WeightFormat::kMxfp4 ||
+                        b.format == WeightFormat::kNvfp4;
+  if (b.layout == Layout::kPanels && !four_bit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Layout::kPanels is for q4_0, mxfp4 and nvfp4 banks, not ",
+                     std::string(common::WeightFormatName(b.format))));
+  }
+  if (b.layout != Layout::kRowMajor && b.layout != Layout::kPanels) {
+    return absl::InvalidArgumentError("unknown bank layout");
+  }
+  // Panel banks hold their scales inside the weights.
+  const bool needs_scales =
+      b.format == WeightFormat::kFp8Block ||
+      (b.layout == Layout::kRowMajor &&
+       (b.format == WeightFormat::kMxfp4 || b.format == WeightFormat::kNvfp4));
   if (needs_scales && (b.gate_up_scales == nullptr || b.down_scales == nullptr)) {
     return absl::InvalidArgumentError(
         absl::StrCat(std::string(common::WeightFormatName(b.format)), " bank needs scales"));
@@ -335,6 +348,53 @@ absl::Status ValidatePrefetch(int bytes, int max, const char* name) {
   return absl::OkStatus();
 }
 
+// Panel banks: scale bytes per 32-column block of a 16-row panel (see Layout::kPanels).
+size_t PanelScaleBytes(WeightFormat f) { return f == WeightFormat::kMxfp4 ? 16 : 32; }
+
+// One matrix [rows, cols] of one expert, row-major -> panels (see Layout::kPanels).
+void PackMatrixPanels(WeightFormat f, const void* weights, const void* scales, size_t rows,
+                      size_t cols, uint8_t* out) {
+  const size_t nb = cols / 32, sb = PanelScaleBytes(f);
+  const auto* q4 = static_cast<const common::BlockQ4_0*>(weights);
+  const auto* packed = static_cast<const uint8_t*>(weights);
+  const auto* sc = static_cast<const uint8_t*>(scales);
+  // Code (4 bits) of column c of row r.
+  auto code = [&](size_t r, size_t c) -> unsigned {
+    if (f == WeightFormat::kQ4_0) {
+      const common::BlockQ4_0& blk = q4[r * nb + c / 32];
+      const size_t i = c % 32;
+      return i < 16 ? blk.qs[i] & 15u : blk.qs[i - 16] >> 4;
+    }
+    const uint8_t byte = packed[r * (cols / 2) + c / 2];
+    return c % 2 == 0 ? byte & 15u : byte >> 4;
+  };
+  for (size_t p = 0; p < rows / 16; ++p) {
+    uint8_t* codes = out + p * nb * (256 + sb);
+    uint8_t* pscales = codes + nb * 256;
+    for (size_t b = 0; b < nb; ++b) {
+      for (size_t j = 0; j < 16; ++j) {
+        const size_t r = 16 * p + j;
+        for (size_t v = 0; v < 4; ++v) {
+          for (size_t i = 0; i < 4; ++i) {
+            const size_t c = 32 * b + 8 * v + i;
+            codes[b * 256 + 64 * v + 4 * j + i] =
+                static_cast<uint8_t>(code(r, c) | (code(r, c + 4) << 4));
+          }
+        }
+        uint8_t* s = pscales + b * sb;
+        if (f == WeightFormat::kQ4_0) {
+          std::memcpy(s + 2 * j, &q4[r * nb + b].d, 2);
+        } else if (f == WeightFormat::kMxfp4) {
+          s[j] = sc[r * nb + b];
+        } else {
+          s[j] = sc[r * (cols / 16) + 2 * b];
+          s[16 + j] = sc[r * (cols / 16) + 2 * b + 1];
+        }
+      }
+    }
+  }
+}
+
 absl::Status ValidateTuning(const Options& o) {
   RETURN_IF_ERROR(ValidatePrefetch(o.prefetch_bytes, Options::kMaxPrefetchBytes,
                                    "prefetch_bytes (MOE_CPU_PREFETCH_BYTES)"));
@@ -370,6 +430,63 @@ size_t ExpertBank::GateUpBytesPerExpert() const {
 }
 size_t ExpertBank::DownBytesPerExpert() const {
   return MatrixBytes(format, hidden, intermediate);
+}
+
+absl::StatusOr<std::unique_ptr<PanelBank>> PackPanels(const ExpertBank& row_major,
+                                                      common::ThreadPool* pool) {
+  RETURN_IF_ERROR(ValidateBank(row_major));
+  const WeightFormat f = row_major.format;
+  if (f != WeightFormat::kQ4_0 && f != WeightFormat::kMxfp4 && f != WeightFormat::kNvfp4) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PackPanels takes q4_0, mxfp4 and nvfp4 banks, not ",
+                     std::string(common::WeightFormatName(f))));
+  }
+  if (row_major.layout != Layout::kRowMajor) {
+    return absl::InvalidArgumentError("PackPanels: the bank is already in panels");
+  }
+  const size_t E = row_major.num_experts, H = row_major.hidden, I = row_major.intermediate;
+  // Bytes per expert without nvfp4's global scale (kept apart).
+  const size_t gu_bytes = 2 * I * RowBytesOf(f, H), down_bytes = H * RowBytesOf(f, I);
+  auto out = std::make_unique<PanelBank>();
+  ASSIGN_OR_RETURN(out->gate_up, common::AlignedBuffer<uint8_t>::AllocateHugePages(E * gu_bytes));
+  ASSIGN_OR_RETURN(out->down, common::AlignedBuffer<uint8_t>::AllocateHugePages(E * down_bytes));
+  // Row-major strides per expert: packed codes (q4_0: its blocks) and scale bytes.
+  const size_t scale_block = f == WeightFormat::kMxfp4 ? common::kMxfp4Block : common::kNvfp4Block;
+  const size_t gu_codes = 2 * I * (f == WeightFormat::kQ4_0 ? RowBytesOf(f, H) : H / 2);
+  const size_t down_codes = H * (f == WeightFormat::kQ4_0 ? RowBytesOf(f, I) : I / 2);
+  const size_t gu_scales = 2 * I * (H / scale_block), down_scales = H * (I / scale_block);
+  auto pack_expert = [&](size_t e) {
+    const bool q4 = f == WeightFormat::kQ4_0;
+    PackMatrixPanels(
+        f, static_cast<const uint8_t*>(row_major.gate_up_weights) + e * gu_codes,
+        q4 ? nullptr : static_cast<const uint8_t*>(row_major.gate_up_scales) + e * gu_scales,
+        2 * I, H, out->gate_up.data() + e * gu_bytes);
+    PackMatrixPanels(
+        f, static_cast<const uint8_t*>(row_major.down_weights) + e * down_codes,
+        q4 ? nullptr : static_cast<const uint8_t*>(row_major.down_scales) + e * down_scales, H, I,
+        out->down.data() + e * down_bytes);
+  };
+  if (pool != nullptr) {
+    pool->ParallelFor(E, [&](uint64_t e, int) { pack_expert(e); });
+  } else {
+    for (size_t e = 0; e < E; ++e) pack_expert(e);
+  }
+  ExpertBank& b = out->bank;
+  b = row_major;
+  b.layout = Layout::kPanels;
+  b.gate_up_weights = out->gate_up.data();
+  b.down_weights = out->down.data();
+  b.gate_up_scales = nullptr;
+  b.down_scales = nullptr;
+  if (f == WeightFormat::kNvfp4) {
+    out->gate_up_global_scales.assign(row_major.gate_up_global_scales,
+                                      row_major.gate_up_global_scales + E);
+    out->down_global_scales.assign(row_major.down_global_scales,
+                                   row_major.down_global_scales + E);
+    b.gate_up_global_scales = out->gate_up_global_scales.data();
+    b.down_global_scales = out->down_global_scales.data();
+  }
+  return out;
 }
 
 Options Options::FromEnv() {

@@ -18,12 +18,14 @@
 #define MOE_CPU_MOE_CPU_MOE_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/aligned_buffer.h"
 #include "common/formats.h"
 #include "common/thread_pool.h"
 
@@ -46,6 +48,23 @@ using common::WeightFormat;
 //   kMxfp4:    uint8_t packed [rows, cols/2]; `*_scales` uint8_t ue8m0 [rows, cols/32].
 //   kNvfp4:    uint8_t packed [rows, cols/2]; `*_scales` uint8_t e4m3 [rows, cols/16];
 //              `*_global_scales` float [E] (one per expert tensor).
+//
+// Layout::kPanels (q4_0, mxfp4, nvfp4; made by PackPanels): each matrix is stored in panels of
+// 16 rows, so that int32 lane j of every 512-bit vector of a panel is row j and one dot-product
+// instruction serves 16 rows of a route at once: 11 vector operations per 512 weights and route
+// (8 vpdpbusd, a conversion, a multiply, an FMA) where the row-major kernels spend 14 and a
+// horizontal sum per row and route, and a cheaper decode. `*_weights` points at, per expert
+// (experts contiguous), the rows / 16 panels in order; panel p (rows [16p, 16p + 16)) is
+//   codes:  cols/32 blocks of 256 bytes; byte 64v + 4j + i of block b (v < 4, j < 16, i < 4)
+//           holds row 16p + j's codes of column 32b + 8v + i (low nibble) and 32b + 8v + 4 + i
+//           (high nibble): q4_0 q in [0, 15], fp4 the e2m1 code;
+//   scales: then cols/32 groups, one per block b: q4_0 the 16 rows' fp16 d (32 bytes); mxfp4
+//           their 16 ue8m0 bytes; nvfp4 the 16 rows' e4m3 scales of columns [32b, 32b + 16),
+//           then of [32b + 16, 32b + 32) (32 bytes).
+// The same bytes per expert as the row-major layout. `*_scales` are unused (scales are inside);
+// nvfp4's `*_global_scales` as above.
+enum class Layout { kRowMajor, kPanels };
+
 struct ExpertBank {
   WeightFormat format = WeightFormat::kBf16;
   int num_experts = 0;   // E
@@ -57,6 +76,7 @@ struct ExpertBank {
   const void* down_weights = nullptr;
   const void* down_scales = nullptr;
   const float* down_global_scales = nullptr;
+  Layout layout = Layout::kRowMajor;
 
   // Bytes of one expert's gate_up / down weights including their scales (what one read costs).
   size_t GateUpBytesPerExpert() const;
@@ -220,6 +240,24 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
                      absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
                      absl::Span<const float> x, absl::Span<float> y, const Options& options,
                      common::ThreadPool& pool, ForwardStats* stats = nullptr);
+
+// A bank copied into Layout::kPanels, owning its memory (on transparent huge pages where the
+// system allows). `bank` points into the buffers below; the struct does not move (PackPanels
+// returns it by unique_ptr).
+struct PanelBank {
+  ExpertBank bank;
+  common::AlignedBuffer<uint8_t> gate_up;
+  common::AlignedBuffer<uint8_t> down;
+  std::vector<float> gate_up_global_scales;
+  std::vector<float> down_global_scales;
+};
+
+// Copies a row-major q4_0, mxfp4 or nvfp4 bank into Layout::kPanels (the layout the int8 kernels
+// read fastest; Forward reads both). The source may be freed afterwards. `pool` (optional)
+// shares the copying out by expert. InvalidArgument for other formats, a bank Forward would
+// reject, or one that is already in panels; ResourceExhausted when memory runs out.
+absl::StatusOr<std::unique_ptr<PanelBank>> PackPanels(const ExpertBank& row_major,
+                                                      common::ThreadPool* pool = nullptr);
 
 // Highway targets compiled into this library that the CPU supports, best first.
 std::vector<std::string> AvailableTargets();

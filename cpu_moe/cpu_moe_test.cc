@@ -39,6 +39,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -132,6 +133,14 @@ Options RefOptions(Options o, const ForwardStats& st) {
   return o;
 }
 
+// The int8 formats' bank in panels (Layout::kPanels); null for the other formats.
+std::unique_ptr<PanelBank> PanelsOf(const HostBank& hb) {
+  if (!IsQuant(hb.bank.format)) return nullptr;
+  absl::StatusOr<std::unique_ptr<PanelBank>> pb = PackPanels(hb.bank);
+  EXPECT_TRUE(pb.ok()) << pb.status();
+  return pb.ok() ? std::move(*pb) : nullptr;
+}
+
 class CpuMoeTest : public ::testing::Test {
  protected:
   CpuMoeTest() : pool_(2) {}
@@ -151,6 +160,12 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
   for (WeightFormat f : kFormats) {
     const HostBank hb = MakeRandomBank(f, kE, kH, kI, 77 + static_cast<int>(f));
     const bool bf16 = HasBf16Dot(f);  // bf16 and fp8: the bf16 dot product variants
+    std::unique_ptr<PanelBank> panels;
+    if (IsQuant(f)) {
+      absl::StatusOr<std::unique_ptr<PanelBank>> pb = PackPanels(hb.bank, &pool_);
+      ASSERT_TRUE(pb.ok()) << pb.status();
+      panels = std::move(*pb);
+    }
     for (int T : {1, 2, 5, 16, 64}) {
       for (bool skewed : {false, true}) {
         const Routing r = MakeRouting(T, kE, kTopK, skewed ? 1.2 : 0.0, rng);
@@ -169,30 +184,30 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
         for (const std::string& target : AvailableTargets()) {
           for (bool dedup : {false, true}) {
             // bf16 and fp8: the bf16 dot product off, on (AMX for experts with the default
-            // number of routes) and on with every expert through AMX; int8 formats: both
-            // layouts.
+            // number of routes) and on with every expert through AMX; int8 formats: the
+            // block-lane and the plain activation layout, and the bank in panels.
             for (int alt : {0, 1, 2}) {
               const bool dot = bf16 && alt != 0, block_lane = alt == 0;
+              const bool panel = IsQuant(f) && alt == 2;
               if (alt != 0 && !bf16 && !IsQuant(f)) continue;
-              if (alt == 2 && !bf16) continue;
               Options o;
               o.dedup = dedup;
               o.max_target = target;
               o.bf16_dot_product = dot;
               o.block_lane = block_lane;
-              if (alt == 2) o.amx_min_routes = 1;
+              if (alt == 2 && bf16) o.amx_min_routes = 1;
               o.onednn_min_tokens_per_expert = 0;  // GEMV kernels (oneDNN: onednn_experts_test)
               std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
               ForwardStats st;
-              ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o,
-                                  pool_, &st).ok());
+              ASSERT_TRUE(Forward(panel ? panels->bank : hb.bank, T, kTopK, r.ids, r.weights, x,
+                                  absl::MakeSpan(y), o, pool_, &st).ok());
               const std::string what = absl::StrCat(
                   std::string(common::WeightFormatName(f)), " T=", T, " skewed=", skewed,
                   " target=", target, " dedup=", dedup, " bf16_dot=", dot,
-                  " block_lane=", block_lane, " amx_all=", alt == 2);
+                  " block_lane=", block_lane, " amx_all=", alt == 2 && bf16, " panels=", panel);
               EXPECT_EQ(st.target, target) << what;
               EXPECT_EQ(st.bf16_dot_product, dot && Bf16DotRunsAt(target)) << what;
-              if (alt == 2) {
+              if (alt == 2 && bf16) {
                 EXPECT_EQ(st.amx, AmxRunsAt(target)) << what;
               }
               if (!dot) {
@@ -219,21 +234,32 @@ TEST_F(CpuMoeTest, BrokenVariantsFail) {
   for (WeightFormat f : kFormats) {
     const Routing r = MakeRouting(T, kE, kTopK, 0.0, rng);
     const std::vector<float> x = RandomX(T, kH, rng);
-    // Variants: fp32 kernels; the bf16 dot product (bf16, fp8); with every expert through AMX.
-    for (int variant : {0, 1, 2}) {
-      if (variant != 0 && !HasBf16Dot(f)) continue;
-      const bool dot = variant != 0;
+    // Variants: fp32 kernels; the bf16 dot product (bf16, fp8); with every expert through AMX;
+    // the int8 formats' bank in panels (packed from the row-major bank before each call).
+    for (int variant : {0, 1, 2, 3}) {
+      if ((variant == 1 || variant == 2) && !HasBf16Dot(f)) continue;
+      if (variant == 3 && !IsQuant(f)) continue;
+      const bool dot = variant == 1 || variant == 2;
       HostBank hb = MakeRandomBank(f, kE, kH, kI, 5 + static_cast<int>(f));
       Options o;
       o.bf16_dot_product = dot;
       if (variant == 2) o.amx_min_routes = 1;
+      std::unique_ptr<PanelBank> packed;
+      // The bank Forward runs on: hb's, or panels packed from it as it is now.
+      auto bank = [&]() -> const ExpertBank& {
+        if (variant != 3) return hb.bank;
+        absl::StatusOr<std::unique_ptr<PanelBank>> pb = PackPanels(hb.bank);
+        EXPECT_TRUE(pb.ok()) << pb.status();
+        packed = std::move(*pb);
+        return packed->bank;
+      };
       std::vector<float> y(x.size());
       ForwardStats st;
       ASSERT_TRUE(
-          Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st).ok());
+          Forward(bank(), T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st).ok());
       const std::string what =
           absl::StrCat(std::string(common::WeightFormatName(f)), " bf16_dot=", st.bf16_dot_product,
-                       " amx=", st.amx);
+                       " amx=", st.amx, " panels=", variant == 3);
       const double rel = RelFor(st);
       std::vector<double> ref, scale, flip;
       ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, RefOptions(o, st), true, &ref, &scale,
@@ -249,7 +275,7 @@ TEST_F(CpuMoeTest, BrokenVariantsFail) {
       // Missed route: drop token 0's first route from the kernel's input.
       Routing missed = r;
       missed.ids[0] = -1;
-      ASSERT_TRUE(Forward(hb.bank, T, kTopK, missed.ids, missed.weights, x, absl::MakeSpan(y), o,
+      ASSERT_TRUE(Forward(bank(), T, kTopK, missed.ids, missed.weights, x, absl::MakeSpan(y), o,
                           pool_).ok());
       EXPECT_GT(WorstRatio(y, ref, scale, flip, rel), 10.0) << what;
 
@@ -283,7 +309,7 @@ TEST_F(CpuMoeTest, BrokenVariantsFail) {
           break;
       }
       ASSERT_TRUE(
-          Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_).ok());
+          Forward(bank(), T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_).ok());
       EXPECT_GT(WorstRatio(y, ref, scale, flip, rel), 1.0) << what;
     }
   }
@@ -298,15 +324,24 @@ TEST_F(CpuMoeTest, MoreThan64RoutesPerExpert) {
   const std::vector<float> x = RandomX(T, kH, rng);
   for (WeightFormat f : kFormats) {
     const HostBank hb = MakeRandomBank(f, E, kH, kI, 61 + static_cast<int>(f));
-    for (int variant : {0, 1, 2}) {
-      if (variant != 0 && !HasBf16Dot(f)) continue;
+    std::unique_ptr<PanelBank> panels;
+    if (IsQuant(f)) {
+      absl::StatusOr<std::unique_ptr<PanelBank>> pb = PackPanels(hb.bank);
+      ASSERT_TRUE(pb.ok()) << pb.status();
+      panels = std::move(*pb);
+    }
+    // Variants: as BrokenVariantsFail's.
+    for (int variant : {0, 1, 2, 3}) {
+      if ((variant == 1 || variant == 2) && !HasBf16Dot(f)) continue;
+      if (variant == 3 && !IsQuant(f)) continue;
       Options o;
-      o.bf16_dot_product = variant != 0;
+      o.bf16_dot_product = variant == 1 || variant == 2;
       if (variant == 2) o.amx_min_routes = 1;
       o.onednn_min_tokens_per_expert = 0;  // the GEMV / AMX kernels
       std::vector<float> y(x.size());
       ForwardStats st;
-      ASSERT_TRUE(Forward(hb.bank, T, k, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st)
+      ASSERT_TRUE(Forward(variant == 3 ? panels->bank : hb.bank, T, k, r.ids, r.weights, x,
+                          absl::MakeSpan(y), o, pool_, &st)
                       .ok());
       const std::string what = absl::StrCat(std::string(common::WeightFormatName(f)),
                                             " variant=", variant, " amx=", st.amx);
@@ -334,12 +369,17 @@ TEST_F(CpuMoeTest, PaddingIsInert) {
     for (int i = 0; i < kH; ++i) x[2 * kH + i] = std::numeric_limits<float>::infinity();
     r.ids[4 * kTopK + 1] = -1;
     r.ids[4 * kTopK + 3] = -7;
-    for (bool dedup : {false, true}) {
+    const std::unique_ptr<PanelBank> panels = PanelsOf(hb);
+    for (int v = 0; v < (panels ? 4 : 2); ++v) {
+      const bool dedup = v % 2 != 0;
+      const ExpertBank& bank = v >= 2 ? panels->bank : hb.bank;
+      SCOPED_TRACE(absl::StrCat(std::string(common::WeightFormatName(f)), " dedup=", dedup,
+                                " panels=", v >= 2));
       Options o;
       o.dedup = dedup;
       std::vector<float> y(x.size(), 123.0f);
       ForwardStats st;
-      ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_,
+      ASSERT_TRUE(Forward(bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_,
                           &st).ok());
       EXPECT_EQ(st.routes, T * kTopK - kTopK - 2);
       for (int i = 0; i < kH; ++i) EXPECT_EQ(y[2 * kH + i], 123.0f);
@@ -356,7 +396,7 @@ TEST_F(CpuMoeTest, PaddingIsInert) {
         x2.insert(x2.end(), x.begin() + t * kH, x.begin() + (t + 1) * kH);
       }
       std::vector<float> y2(x2.size());
-      ASSERT_TRUE(Forward(hb.bank, T - 1, kTopK, r2.ids, r2.weights, x2, absl::MakeSpan(y2), o,
+      ASSERT_TRUE(Forward(bank, T - 1, kTopK, r2.ids, r2.weights, x2, absl::MakeSpan(y2), o,
                           pool_).ok());
       for (int t = 0, t2 = 0; t < T; ++t) {
         if (t == 2) continue;
@@ -373,7 +413,12 @@ TEST_F(CpuMoeTest, DedupOnOffAgreeAndInertWithoutSharing) {
   std::mt19937_64 rng(3);
   for (WeightFormat f : kFormats) {
     const HostBank hb = MakeRandomBank(f, kE, kH, kI, 21);
-    for (int T : {1, 16, 64}) {
+    const std::unique_ptr<PanelBank> panels = PanelsOf(hb);
+    for (int v = 0; v < (panels ? 6 : 3); ++v) {
+      const int T = (int[]){1, 16, 64}[v % 3];
+      const ExpertBank& bank = v >= 3 ? panels->bank : hb.bank;
+      SCOPED_TRACE(absl::StrCat(std::string(common::WeightFormatName(f)), " T=", T,
+                                " panels=", v >= 3));
       const Routing r = MakeRouting(T, kE, kTopK, 1.2, rng);
       const std::vector<float> x = RandomX(T, kH, rng);
       std::vector<float> y0(x.size()), y1(x.size());
@@ -387,9 +432,9 @@ TEST_F(CpuMoeTest, DedupOnOffAgreeAndInertWithoutSharing) {
       off = on;
       off.dedup = false;
       ForwardStats s0, s1;
-      ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y0), off, pool_,
+      ASSERT_TRUE(Forward(bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y0), off, pool_,
                           &s0).ok());
-      ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y1), on, pool_,
+      ASSERT_TRUE(Forward(bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y1), on, pool_,
                           &s1).ok());
       EXPECT_EQ(s0.unique_experts, s1.unique_experts);
       if (T == 1) {
@@ -545,6 +590,57 @@ TEST_F(CpuMoeTest, BadInputIsAnError) {
   bad.format = WeightFormat::kMxfp4;  // needs scales, has none
   EXPECT_EQ(Forward(bad, 1, 2, ids, w, x, absl::MakeSpan(y), Options(), pool_).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(CpuMoeTest, PackPanelsRejectsWhatItCannotPack) {
+  const HostBank bf = MakeRandomBank(WeightFormat::kBf16, 2, 64, 32, 1, false);
+  absl::StatusOr<std::unique_ptr<PanelBank>> p = PackPanels(bf.bank);
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(p.status().message().find("bf16"), std::string::npos) << p.status();
+  ExpertBank bad = bf.bank;
+  bad.layout = Layout::kPanels;  // bf16 in panels: Forward says so
+  std::vector<int32_t> ids = {0, 1};
+  std::vector<float> w = {0.5f, 0.5f}, x(64), y(64);
+  const absl::Status st = Forward(bad, 1, 2, ids, w, x, absl::MakeSpan(y), Options(), pool_);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("kPanels"), std::string::npos) << st;
+
+  const HostBank q = MakeRandomBank(WeightFormat::kNvfp4, 2, 64, 32, 1, false);
+  absl::StatusOr<std::unique_ptr<PanelBank>> once = PackPanels(q.bank);
+  ASSERT_TRUE(once.ok()) << once.status();
+  EXPECT_EQ((*once)->bank.BytesPerExpert(), q.bank.BytesPerExpert());
+  EXPECT_EQ((*once)->gate_up.size(), 2 * q.bank.GateUpBytesPerExpert() - 2 * sizeof(float));
+  EXPECT_EQ(PackPanels((*once)->bank).status().code(), absl::StatusCode::kInvalidArgument);
+  ExpertBank no_scales = q.bank;
+  no_scales.down_scales = nullptr;
+  EXPECT_EQ(PackPanels(no_scales).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Panel banks take whole panels per work item: row counts that are not multiples of 16 (and
+// blocks with an odd number of panels) give the same results as the defaults.
+TEST_F(CpuMoeTest, PanelItemRowsAnyValue) {
+  std::mt19937_64 rng(41);
+  const int T = 16;
+  for (WeightFormat f : {WeightFormat::kQ4_0, WeightFormat::kMxfp4, WeightFormat::kNvfp4}) {
+    const HostBank hb = MakeRandomBank(f, kE, kH, kI, 3);
+    const std::unique_ptr<PanelBank> panels = PanelsOf(hb);
+    ASSERT_NE(panels, nullptr);
+    const Routing r = MakeRouting(T, kE, kTopK, 1.2, rng);
+    const std::vector<float> x = RandomX(T, kH, rng);
+    std::vector<float> y0(x.size()), y1(x.size());
+    ASSERT_TRUE(Forward(panels->bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y0),
+                        Options(), pool_).ok());
+    for (auto [p1, p2] : {std::pair{1, 2}, std::pair{17, 48}, std::pair{40, 80}}) {
+      Options o;
+      o.pass1_rows = p1;
+      o.pass2_rows = p2;
+      ASSERT_TRUE(Forward(panels->bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y1), o,
+                          pool_).ok());
+      // Each output row's arithmetic is the same whatever panels it is computed beside.
+      EXPECT_EQ(y0, y1) << common::WeightFormatName(f) << " pass1_rows=" << p1
+                        << " pass2_rows=" << p2;
+    }
+  }
 }
 
 // The env switches are read each time options are built (seed 003's trap: a cached static made
