@@ -979,7 +979,9 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
   const size_t k = m.cols, nb = k / 32;
   constexpr size_t kSb = PanelScaleBytes<F>();
   constexpr bool kNv = F == common::WeightFormat::kNvfp4;
-  const size_t pf = m.prefetch.l1;
+  // Prefetches, per block of each panel, m.prefetch.l1 bytes ahead into L1 and (when not 0)
+  // m.prefetch.l2 bytes ahead into L2, in the codes and (1/8 as far) in the scales.
+  const size_t pf = m.prefetch.l1, pf2 = m.prefetch.l2;
   const auto mask = hn::Set(d8, 0x0F);
   const auto lut = hn::LoadDup128(d8, kFp4Lut);
   const uint8_t* codes[NP];
@@ -1001,6 +1003,10 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
         if (pf != 0 && s == 0) {
           for (size_t o = 0; o < 256; o += 64) Pf(c + pf + o);
           Pf(sc + pf / 8);
+          if (pf2 != 0) {
+            for (size_t o = 0; o < 256; o += 64) PfL2(c + pf2 + o);
+            PfL2(sc + pf2 / 8);
+          }
         }
         for (int v = 0; v < 4; ++v) {
           const auto raw = hn::LoadU(d8, c + 64 * v + s);
@@ -1023,24 +1029,20 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
         const int8_t* a = q + 32 * b;
         const float xs = reinterpret_cast<const float*>(q + k)[b];
         const int32_t* neg = reinterpret_cast<const int32_t*>(q + k + k / 8) + 2 * b;
-        hn::Vec<decltype(di8)> x[8];
-        for (int g = 0; g < 8; ++g) {
-          int32_t word;
-          std::memcpy(&word, a + 4 * g, 4);
-          x[g] = hn::BitCast(di8, hn::Set(di32, word));
-        }
         const auto xv = hn::Set(df, xs);
-        for (int p = 0; p < NP; ++p) {
-          if constexpr (kNv) {
-            for (int h = 0; h < 2; ++h) {
-              auto sum = hn::Set(di32, neg[h]);
-              for (int g = 4 * h; g < 4 * h + 4; ++g) sum = DotAcc(di32, sum, w[p][g], x[g]);
-              acc[p][t] = hn::MulAdd(hn::ConvertTo(df, sum), hn::Mul(ws[p][h], xv), acc[p][t]);
-            }
-          } else {
-            auto sum = hn::Set(di32, neg[0] + neg[1]);
-            for (int g = 0; g < 8; ++g) sum = DotAcc(di32, sum, w[p][g], x[g]);
-            acc[p][t] = hn::MulAdd(hn::ConvertTo(df, sum), hn::Mul(ws[p][0], xv), acc[p][t]);
+        // Each broadcast group of 4 activation codes serves every panel (nvfp4: per 16-column
+        // half, with that half's scales).
+        for (int h = 0; h < (kNv ? 2 : 1); ++h) {
+          hn::Vec<decltype(di32)> sum[NP];
+          for (int p = 0; p < NP; ++p) sum[p] = hn::Set(di32, kNv ? neg[h] : neg[0] + neg[1]);
+          for (int g = kNv ? 4 * h : 0; g < (kNv ? 4 * h + 4 : 8); ++g) {
+            int32_t word;
+            std::memcpy(&word, a + 4 * g, 4);
+            const auto x = hn::BitCast(di8, hn::Set(di32, word));
+            for (int p = 0; p < NP; ++p) sum[p] = DotAcc(di32, sum[p], w[p][g], x);
+          }
+          for (int p = 0; p < NP; ++p) {
+            acc[p][t] = hn::MulAdd(hn::ConvertTo(df, sum[p]), hn::Mul(ws[p][h], xv), acc[p][t]);
           }
         }
       }

@@ -119,13 +119,35 @@ std::string AnonHugePages() {
 
 // Banks of one (format, E), all views into one buffer of `copies` experts' worth per matrix;
 // rebuilt when a case needs another (format, E) so that only one format's weights live at once.
+// The int8 formats' banks are also held in panels (Layout::kPanels, what PackPanels makes and
+// an engine would load), built the first time a case wants them.
 struct Banks {
   WeightFormat format;
   int num_experts = 0;
   std::unique_ptr<common::AlignedBuffer<uint8_t>> gu_w, gu_s, dn_w, dn_s;
   std::vector<float> gu_g, dn_g;
   std::vector<ExpertBank> banks;
+  std::unique_ptr<PanelBank> panel_template;  // one expert
+  std::unique_ptr<common::AlignedBuffer<uint8_t>> gu_p, dn_p;
+  std::vector<ExpertBank> panel_banks;
 };
+
+// --layout / env MOE_BENCH_LAYOUT (read at every use, so that --ab variants can set it): "panels"
+// (the default) runs q4_0, mxfp4 and nvfp4 on banks in panels, "row" on the row-major banks.
+bool g_layout_panels = true;
+bool UsePanels(WeightFormat f) {
+  if (f != WeightFormat::kQ4_0 && f != WeightFormat::kMxfp4 && f != WeightFormat::kNvfp4) {
+    return false;
+  }
+  const char* v = std::getenv("MOE_BENCH_LAYOUT");
+  if (v != nullptr && *v != '\0') return std::strcmp(v, "row") != 0;
+  return g_layout_panels;
+}
+
+// A buffer of n copies of src's bytes, on transparent huge pages unless --hugepages=0, filled
+// by the pool's workers (first-touching gigabytes from one thread takes seconds).
+std::unique_ptr<common::AlignedBuffer<uint8_t>> Replicate(const uint8_t* src, size_t size,
+                                                          size_t n);
 
 std::unique_ptr<Banks> g_banks;
 
@@ -143,20 +165,7 @@ Banks& GetBanks(WeightFormat format, int num_experts) {
   const size_t n_banks = std::max<size_t>(
       1, static_cast<size_t>(std::ceil(total / (static_cast<double>(per_expert) * num_experts))));
   const size_t n = n_banks * num_experts;
-  auto fill = [n](const std::vector<uint8_t>& src) {
-    const size_t bytes = std::max<size_t>(1, src.size() * n);
-    // Transparent huge pages where the kernel allows them, as for the DRAM probe's buffer (and as
-    // an engine should hold its host-resident experts): with 4 KiB pages every 4 KiB of weights
-    // costs a TLB miss, and the kernels would be held against a probe that paid none.
-    auto buf = std::make_unique<common::AlignedBuffer<uint8_t>>(
-        bytes, common::AlignedBuffer<uint8_t>::kHugePageBytes);
-    if (g_hugepages) common::AdviseHugePages(buf->data(), bytes);
-    // Filled by the pool's workers: first-touching gigabytes from one thread takes seconds.
-    Pool().ParallelFor(n, [&](uint64_t i, int) {
-      std::memcpy(buf->data() + i * src.size(), src.data(), src.size());
-    });
-    return buf;
-  };
+  auto fill = [n](const std::vector<uint8_t>& src) { return Replicate(src.data(), src.size(), n); };
   b->gu_w = fill(tmpl.gate_up_w);
   b->gu_s = fill(tmpl.gate_up_s);
   b->dn_w = fill(tmpl.down_w);
@@ -184,6 +193,51 @@ Banks& GetBanks(WeightFormat format, int num_experts) {
                AnonHugePages().c_str());
   g_banks = std::move(b);
   return *g_banks;
+}
+
+std::unique_ptr<common::AlignedBuffer<uint8_t>> Replicate(const uint8_t* src, size_t size,
+                                                          size_t n) {
+  const size_t bytes = std::max<size_t>(1, size * n);
+  // Transparent huge pages where the kernel allows them, as for the DRAM probe's buffer (and as
+  // an engine should hold its host-resident experts): with 4 KiB pages every 4 KiB of weights
+  // costs a TLB miss, and the kernels would be held against a probe that paid none.
+  auto buf = std::make_unique<common::AlignedBuffer<uint8_t>>(
+      bytes, common::AlignedBuffer<uint8_t>::kHugePageBytes);
+  if (g_hugepages) common::AdviseHugePages(buf->data(), bytes);
+  Pool().ParallelFor(n, [&](uint64_t i, int) { std::memcpy(buf->data() + i * size, src, size); });
+  return buf;
+}
+
+// The banks a case runs on: b's row-major banks, or (UsePanels) the same experts in panels.
+const std::vector<ExpertBank>& BankList(Banks& b) {
+  if (!UsePanels(b.format)) return b.banks;
+  if (b.panel_banks.empty()) {
+    const testing::HostBank tmpl = testing::MakeRandomBank(b.format, 1, kH, kI, 42, false);
+    absl::StatusOr<std::unique_ptr<PanelBank>> pb = PackPanels(tmpl.bank);
+    if (!pb.ok()) {
+      std::fprintf(stderr, "PackPanels: %s\n", pb.status().ToString().c_str());
+      std::exit(1);
+    }
+    b.panel_template = std::move(*pb);
+    const PanelBank& t = *b.panel_template;
+    const size_t n = b.banks.size() * b.num_experts;
+    b.gu_p = Replicate(t.gate_up.data(), t.gate_up.size(), n);
+    b.dn_p = Replicate(t.down.data(), t.down.size(), n);
+    for (size_t k = 0; k < b.banks.size(); ++k) {
+      ExpertBank eb = b.banks[k];
+      const size_t e0 = k * b.num_experts;
+      eb.layout = Layout::kPanels;
+      eb.gate_up_weights = b.gu_p->data() + e0 * t.gate_up.size();
+      eb.down_weights = b.dn_p->data() + e0 * t.down.size();
+      eb.gate_up_scales = nullptr;
+      eb.down_scales = nullptr;
+      b.panel_banks.push_back(eb);
+    }
+    std::fprintf(stderr, "%s E=%d: the same %zu banks in panels\n",
+                 std::string(common::WeightFormatName(b.format)).c_str(), b.num_experts,
+                 b.banks.size());
+  }
+  return b.panel_banks;
 }
 
 // Fresh routing per step: a pool of routings much longer than the bank rotation, uniform random
@@ -228,9 +282,9 @@ struct StepInputs {
 };
 
 void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, int T, bool dedup) {
-  Banks& banks = GetBanks(format, num_experts);
+  const std::vector<ExpertBank>& bank_list = BankList(GetBanks(format, num_experts));
   const double dram_before = DramNow();
-  const size_t per_expert = banks.banks[0].BytesPerExpert();
+  const size_t per_expert = bank_list[0].BytesPerExpert();
   std::mt19937_64 rng(1000 + T);
   const Routings routings = MakeRoutings(num_experts, T, rng);
   const auto& ids = routings.ids;
@@ -247,7 +301,7 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
   ForwardStats fs;
   const long faults_before = MinorFaults();
   for (auto _ : state) {
-    const ExpertBank& bank = banks.banks[step % banks.banks.size()];
+    const ExpertBank& bank = bank_list[step % bank_list.size()];
     const int s = static_cast<int>(step % kRoutings);
     const auto t0 = std::chrono::steady_clock::now();
     const absl::Status st =
@@ -293,12 +347,13 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
   state.counters["pass1_ms"] = p1_ms;
   state.counters["pass2_ms"] = p2_ms;
   state.counters["other_ms"] = ms - 1e3 * (phase[0] + phase[1] + phase[2] + phase[3]) / steps;
-  const ExpertBank& b0 = banks.banks[0];
+  const ExpertBank& b0 = bank_list[0];
   const double experts_read = dedup ? unique_sum / steps : routes;
   state.counters["pass1_bw_fraction"] =
       experts_read * b0.GateUpBytesPerExpert() / (p1_ms * 1e-3) / 1e9 / dram;
   state.counters["pass2_bw_fraction"] =
       experts_read * b0.DownBytesPerExpert() / (p2_ms * 1e-3) / 1e9 / dram;
+  state.counters["panels"] = b0.layout == Layout::kPanels ? 1 : 0;
   state.SetLabel(absl::StrCat("threads=", Pool().num_workers()));
 }
 
@@ -317,9 +372,9 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
 // from `routings`.
 void SpeedupCase(benchmark::State& state, WeightFormat format, int num_experts, int T, int top_k,
                  const Routings& routings, std::mt19937_64& rng) {
-  Banks& banks = GetBanks(format, num_experts);
+  const std::vector<ExpertBank>& bank_list = BankList(GetBanks(format, num_experts));
   const double dram_before = DramNow();
-  const size_t per_expert = banks.banks[0].BytesPerExpert();
+  const size_t per_expert = bank_list[0].BytesPerExpert();
   StepInputs in(T, top_k, rng);
   Options opt = Options::FromEnv();
   opt.debug = false;
@@ -331,7 +386,7 @@ void SpeedupCase(benchmark::State& state, WeightFormat format, int num_experts, 
     for (int i = 0; i < 2; ++i) {
       const int dedup = (i + static_cast<int>(pairs)) % 2;
       opt.dedup = dedup != 0;
-      const ExpertBank& bank = banks.banks[step % banks.banks.size()];
+      const ExpertBank& bank = bank_list[step % bank_list.size()];
       ++step;
       const auto t0 = std::chrono::steady_clock::now();
       const absl::Status st =
@@ -360,6 +415,7 @@ void SpeedupCase(benchmark::State& state, WeightFormat format, int num_experts, 
   state.counters["dram_gbps"] = dram;
   state.counters["on_bw_fraction"] = unique * per_expert / (on_ms * 1e-3) / 1e9 / dram;
   state.counters["off_bw_fraction"] = routes * per_expert / (off_ms * 1e-3) / 1e9 / dram;
+  state.counters["panels"] = bank_list[0].layout == Layout::kPanels ? 1 : 0;
   state.SetLabel(absl::StrCat("threads=", Pool().num_workers()));
 }
 
@@ -473,11 +529,22 @@ void BM_CpuMoeTrace(benchmark::State& state, WeightFormat format, int T) {
 void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int T) {
   constexpr int kE = 8;
   static std::unique_ptr<testing::HostBank> hb;
+  static std::unique_ptr<PanelBank> hb_panels;
   static WeightFormat hb_format;
   if (!hb || hb_format != format) {
     hb = std::make_unique<testing::HostBank>(testing::MakeRandomBank(format, kE, kH, kI, 7, false));
+    hb_panels.reset();
     hb_format = format;
   }
+  if (UsePanels(format) && !hb_panels) {
+    absl::StatusOr<std::unique_ptr<PanelBank>> pb = PackPanels(hb->bank);
+    if (!pb.ok()) {
+      state.SkipWithError(pb.status().ToString().c_str());
+      return;
+    }
+    hb_panels = std::move(*pb);
+  }
+  const ExpertBank& bank = UsePanels(format) ? hb_panels->bank : hb->bank;
   std::vector<int32_t> ids;
   for (int t = 0; t < T; ++t) {
     for (int j = 0; j < kTopK; ++j) ids.push_back((j + t) % kE);
@@ -493,7 +560,7 @@ void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int T) {
   double p1 = 0.0, p2 = 0.0, prep = 0.0;
   for (auto _ : state) {
     const absl::Status st =
-        Forward(hb->bank, T, kTopK, ids, w, x, absl::MakeSpan(y), opt, Pool(), &fs);
+        Forward(bank, T, kTopK, ids, w, x, absl::MakeSpan(y), opt, Pool(), &fs);
     if (!st.ok()) {
       state.SkipWithError(st.ToString().c_str());
       return;
@@ -512,6 +579,7 @@ void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int T) {
   // Preparing the activations (x; h when the passes are not overlapped), us per step.
   state.counters["prep_us"] = 1e6 * prep / iters;
   state.counters["bf16_dot"] = fs.bf16_dot_product ? 1 : 0;
+  state.counters["panels"] = bank.layout == Layout::kPanels ? 1 : 0;
 }
 
 void RegisterAll() {
@@ -658,7 +726,7 @@ int RunAb() {
       routings = MakeRoutings(E, T, rng);
     }
     Banks& banks = GetBanks(format, E);
-    const ExpertBank& b0 = banks.banks[0];
+    const ExpertBank& b0 = banks.banks[0];  // (the same bytes per expert in either layout)
     StepInputs in(T, top_k, rng);
     size_t step = 0;
     struct Sample {
@@ -676,7 +744,8 @@ int RunAb() {
         opt.dedup = dedup != 0;
         opt.debug = false;
         const int r = static_cast<int>(step % routings.ids.size());
-        const ExpertBank& bank = banks.banks[step % banks.banks.size()];
+        const std::vector<ExpertBank>& bank_list = BankList(banks);  // MOE_BENCH_LAYOUT
+        const ExpertBank& bank = bank_list[step % bank_list.size()];
         ++step;
         const auto t0 = std::chrono::steady_clock::now();
         const absl::Status st =
@@ -752,6 +821,8 @@ constexpr char kUsage[] =
     "  --threads=<n>         workers (default: physical cores)\n"
     "  --probe_rounds=<n>    DRAM probe rounds per reading (default 3)\n"
     "  --hugepages=0         weights on 4 KiB pages (default: transparent huge pages)\n"
+    "  --layout=panels|row   q4_0, mxfp4, nvfp4 banks in panels (default; PackPanels) or row-major\n"
+    "                        (env MOE_BENCH_LAYOUT, which --variant can set for --ab)\n"
     "  --trace=<.npy>        also register BM_CpuMoeTrace/<format>/<T> on that routing trace\n"
     "  --ab=<cases>          side-by-side mode: format/E/T/dedup or trace:format/T, comma-separated\n"
     "  --variant=<name>:<ENV>=<v>[;<ENV>=<v>]  a variant of the library's env switches (--ab)\n"
@@ -798,6 +869,12 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "bad %s\n", a.c_str());
         return 2;
       }
+    } else if (a.rfind("--layout=", 0) == 0) {
+      if (a != "--layout=panels" && a != "--layout=row") {
+        std::fprintf(stderr, "bad %s (want --layout=panels or --layout=row)\n", a.c_str());
+        return 2;
+      }
+      moe::cpu_moe::g_layout_panels = a == "--layout=panels";
     } else if (a.rfind("--trace=", 0) == 0) {
       moe::cpu_moe::g_trace_path = a.substr(8);
     } else if (a.rfind("--ab=", 0) == 0) {
@@ -832,6 +909,10 @@ int main(int argc, char** argv) {
     const moe::cpu_moe::Options o = moe::cpu_moe::Options::FromEnv();
     benchmark::AddCustomContext("cpu_moe_tuning",
                                 absl::StrCat("hugepages=", moe::cpu_moe::g_hugepages,
+                                             " layout=",
+                                             moe::cpu_moe::UsePanels(moe::cpu_moe::WeightFormat::kQ4_0)
+                                                 ? "panels"
+                                                 : "row",
                                              " prefetch_bytes=", o.prefetch_bytes,
                                              " prefetch_l2_bytes=", o.prefetch_l2_bytes,
                                              " pass1_rows=", o.pass1_rows,
