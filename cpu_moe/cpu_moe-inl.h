@@ -1033,16 +1033,22 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
         // Each broadcast group of 4 activation codes serves every panel (nvfp4: per 16-column
         // half, with that half's scales).
         for (int h = 0; h < (kNv ? 2 : 1); ++h) {
-          hn::Vec<decltype(di32)> sum[NP];
-          for (int p = 0; p < NP; ++p) sum[p] = hn::Set(di32, kNv ? neg[h] : neg[0] + neg[1]);
+          // Two int32 chains per panel (even and odd groups), added before the conversion:
+          // half the dependent dot products in a row, one addition more.
+          hn::Vec<decltype(di32)> sum[NP][2];
+          for (int p = 0; p < NP; ++p) {
+            sum[p][0] = hn::Set(di32, kNv ? neg[h] : neg[0] + neg[1]);
+            sum[p][1] = hn::Zero(di32);
+          }
           for (int g = kNv ? 4 * h : 0; g < (kNv ? 4 * h + 4 : 8); ++g) {
             int32_t word;
             std::memcpy(&word, a + 4 * g, 4);
             const auto x = hn::BitCast(di8, hn::Set(di32, word));
-            for (int p = 0; p < NP; ++p) sum[p] = DotAcc(di32, sum[p], w[p][g], x);
+            for (int p = 0; p < NP; ++p) sum[p][g % 2] = DotAcc(di32, sum[p][g % 2], w[p][g], x);
           }
           for (int p = 0; p < NP; ++p) {
-            acc[p][t] = hn::MulAdd(hn::ConvertTo(df, sum[p]), hn::Mul(ws[p][h], xv), acc[p][t]);
+            acc[p][t] = hn::MulAdd(hn::ConvertTo(df, hn::Add(sum[p][0], sum[p][1])),
+                                   hn::Mul(ws[p][h], xv), acc[p][t]);
           }
         }
       }

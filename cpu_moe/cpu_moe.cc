@@ -305,7 +305,7 @@ void EnvInt(const char* name, int* value) {
 }
 
 // Options with every kAuto tuning value replaced by the format's own (see Options::kAuto).
-Options ResolveTuning(const Options& options, WeightFormat format) {
+Options ResolveTuning(const Options& options, WeightFormat format, Layout layout) {
   Options o = options;
   // AMX from 5 routes per expert for fp8, from 12 for bf16. One dev-box core, weights in L3,
   // GB/s at 1 / 4 / 8 routes: fp8 through vdpbf16ps 21 / 8.6 / 4.4, through AMX 13 / 12.5 /
@@ -324,11 +324,20 @@ Options ResolveTuning(const Options& options, WeightFormat format) {
   // benchmarks/h200host_tuning_2026-11-30_session2.md): bf16 keeps 4096 bytes ahead and 16 rows
   // (2048 / 64 lost 2-9%), fp8 gains 2-9% from 2048 / 64, the 4-bit formats keep 1024 / 64.
   const bool bf16 = format == WeightFormat::kBf16;
-  if (o.prefetch_bytes == Options::kAuto) o.prefetch_bytes = four_bit ? 1024 : bf16 ? 4096 : 2048;
+  // 4-bit banks in panels read 2048 bytes ahead (session 8: 0-2.5% faster than 1024 in four of
+  // five cases side by side, with the L2 stream below).
+  if (o.prefetch_bytes == Options::kAuto) {
+    o.prefetch_bytes = four_bit ? (layout == Layout::kPanels ? 2048 : 1024) : bf16 ? 4096 : 2048;
+  }
   // A second prefetch stream 8192 bytes ahead into L2 for bf16 (session 6, side by side on the
   // host, benchmarks/h200host_tuning_2026-11-30_session6.md: 0.5-10% faster steps at T=1-64 in
   // four runs; fp8_block within +-3%, so off; the int8 formats' kernels take no L2 stream).
-  if (o.prefetch_l2_bytes == Options::kAuto) o.prefetch_l2_bytes = bf16 ? 8192 : 0;
+  // Panel banks of the 4-bit formats (session 8, side by side on the host,
+  // benchmarks/h200host_tuning_2026-11-30_session8.md): 8192 bytes ahead into L2 made steps
+  // 3-7% faster than without at T=1-64 (q4_0, mxfp4, nvfp4).
+  if (o.prefetch_l2_bytes == Options::kAuto) {
+    o.prefetch_l2_bytes = bf16 || (four_bit && layout == Layout::kPanels) ? 8192 : 0;
+  }
   // Pass-1 rows (session 3, side by side on the host with the passes overlapped): 128 for the
   // 4-bit formats (+2-6% over 64), 64 for bf16 (+1.5-4% over 16).
   if (o.pass1_rows == Options::kAuto) o.pass1_rows = four_bit ? 128 : 64;
@@ -527,7 +536,7 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   const bool bf16_dot_cpu = options.bf16_dot_product && target == HWY_AVX3_DL && CpuHasAvx512Bf16();
   const bool amx = bf16_dot_cpu && options.amx && AmxAvailable() &&
                    (bank.format == WeightFormat::kFp8Block || bank.format == WeightFormat::kBf16);
-  const Options resolved = ResolveTuning(options, bank.format);
+  const Options resolved = ResolveTuning(options, bank.format, bank.layout);
   RETURN_IF_ERROR(ValidateTuning(resolved));
   if (num_tokens < 0 || top_k <= 0) {
     return absl::InvalidArgumentError(

@@ -157,9 +157,10 @@ struct Options {
   // benchmarks/host_sweep_h200host_2026-11-30.md, then side-by-side runs of
   // benchmarks/h200host_tuning_2026-11-30_session2.md, then with the session-3 kernels
   // benchmarks/h200host_tuning_2026-11-30_session3.md): bf16 prefetches 4096 bytes ahead, fp8
-  // 2048 bytes, the 4-bit formats 1024 bytes (four times as many rows of their smaller rows);
-  // pass 1 takes 64 gate rows per item (bf16, fp8) or 128 (4-bit formats), pass 2 128 rows
-  // (bf16, fp8) or 256 (4-bit formats).
+  // 2048 bytes, the 4-bit formats 1024 bytes (four times as many rows of their smaller rows),
+  // 2048 in panels (session 8, benchmarks/h200host_tuning_2026-11-30_session8.md); pass 1 takes
+  // 64 gate rows per item (bf16, fp8) or 128 (4-bit formats), pass 2 128 rows (bf16, fp8) or 256
+  // (4-bit formats). Panel banks round the rows per item up to whole 16-row panels.
   static constexpr int kAuto = -1;
   // Bytes ahead of the current position that the row kernels prefetch in the weight stream (and
   // how much of the next row / expert's rows is prefetched up front). 0 turns software prefetch
@@ -167,11 +168,11 @@ struct Options {
   static constexpr int kMaxPrefetchBytes = 8192;
   int prefetch_bytes = kAuto;
   // Bytes ahead of the current position of a second software prefetch in the weight stream,
-  // into L2 only (prefetcht1 on x86), beside the prefetch_bytes one, in the bf16 and fp8_block
-  // kernels (the int8 formats' kernels take none: no gain there on the host, mxfp4 4-8% slower);
-  // 0 turns it off, otherwise a multiple of 64 in [64, kMaxPrefetchL2Bytes]. kAuto: 8192 for
-  // bf16 (0.5-10% faster steps side by side on the GPU machine's host), 0 for fp8_block (within
-  // +-3%).
+  // into L2 only (prefetcht1 on x86), beside the prefetch_bytes one, in the bf16, fp8_block and
+  // panel kernels (the int8 formats' row-major kernels take none: no gain there on the host,
+  // mxfp4 4-8% slower); 0 turns it off, otherwise a multiple of 64 in [64, kMaxPrefetchL2Bytes].
+  // kAuto: 8192 for bf16 (0.5-10% faster steps side by side on the GPU machine's host) and for
+  // 4-bit banks in panels (3-7%), 0 for fp8_block (within +-3%) and row-major 4-bit banks.
   static constexpr int kMaxPrefetchL2Bytes = 32768;
   int prefetch_l2_bytes = kAuto;
   // Rows per work item: pass 1 gate rows (each with its up row) per item, any value in
@@ -184,7 +185,9 @@ struct Options {
   // such pairs (rows r and r + n/2 of an item's n); in pass 2 row pairs p, p + n/2 of a block,
   // or quadruples p, p + n/4, p + n/2, p + 3n/4. More concurrent streams keep more bytes in
   // flight per core; each row keeps its own accumulators, so y is the same either way. kAuto:
-  // four for experts with at most two routes in the int8 formats, two otherwise.
+  // four for experts with at most two routes in the int8 formats, two otherwise. Panel banks
+  // (Layout::kPanels) always read two panels at once (panels p and p + n/2 of an item's n) and
+  // ignore this.
   int row_streams = kAuto;
 
   // Options with the environment's switches applied, read now (never cached):

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -53,17 +54,17 @@ Case MakeCase(int T, uint64_t seed) {
   return c;
 }
 
-std::vector<float> RunForward(const HostBank& hb, int T, const Case& c, const Options& o,
+std::vector<float> RunForward(const ExpertBank& bank, int T, const Case& c, const Options& o,
                        common::ThreadPool& pool) {
   std::vector<float> y(c.x.size(), 0.0f);
   const absl::Status st =
-      Forward(hb.bank, T, kTopK, c.ids, c.weights, c.x, absl::MakeSpan(y), o, pool);
+      Forward(bank, T, kTopK, c.ids, c.weights, c.x, absl::MakeSpan(y), o, pool);
   EXPECT_TRUE(st.ok()) << st;
   return y;
 }
 
 // bf16 and fp8_block (with the bf16 dot product off, on, and on with AMX for every expert) and
-// q4_0 (one per activation layout) x
+// q4_0 (row-major and in panels, Layout::kPanels) x
 // every compiled+supported target x T in {1, 16} x dedup on/off: each tuning setting, with the
 // passes overlapped and not, gives the defaults' y bit for bit. The settings include pass-1 row
 // counts that do and do not allow the overlap (multiples of the activation block or not; kH and
@@ -100,22 +101,30 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
   for (size_t i = 0; i < settings.size(); ++i) settings[i].prefetch_l2 = kL2[i % 5];
   for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kQ4_0}) {
     const HostBank hb = MakeRandomBank(f, kE, kH, kI, 41 + static_cast<int>(f), false);
+    std::unique_ptr<PanelBank> panels;
+    if (f == WeightFormat::kQ4_0) {
+      absl::StatusOr<std::unique_ptr<PanelBank>> pb = PackPanels(hb.bank);
+      ASSERT_TRUE(pb.ok()) << pb.status();
+      panels = std::move(*pb);
+    }
     for (const std::string& target : AvailableTargets()) {
       for (int T : {1, 16}) {
         const Case c = MakeCase(T, 100 + T);
         for (bool dedup : {true, false}) {
           // bf16 and fp8: the bf16 dot product off, on (AMX for experts with the default
-          // number of routes), on with every expert through AMX (where the CPU has it).
-          for (int variant : {0, 1, 2}) {
-            if (variant != 0 && f == WeightFormat::kQ4_0) continue;
-            const bool dot = variant != 0;
+          // number of routes), on with every expert through AMX (where the CPU has it); q4_0:
+          // row-major (0) and in panels (3).
+          for (int variant : {0, 1, 2, 3}) {
+            if (f == WeightFormat::kQ4_0 ? variant == 1 || variant == 2 : variant == 3) continue;
+            const bool dot = variant == 1 || variant == 2;
+            const ExpertBank& bank = variant == 3 ? panels->bank : hb.bank;
             Options base;
             base.max_target = target;
             base.dedup = dedup;
             base.bf16_dot_product = dot;
             if (variant == 2) base.amx_min_routes = 1;
             base.onednn_min_tokens_per_expert = 0;
-            const std::vector<float> y0 = RunForward(hb, T, c, base, pool);
+            const std::vector<float> y0 = RunForward(bank, T, c, base, pool);
             for (const Setting& s : settings) {
               Options o = base;
               o.prefetch_bytes = s.prefetch;
@@ -124,7 +133,7 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
               o.pass2_rows = s.pass2;
               o.overlap_passes = s.overlap;
               o.row_streams = s.streams;
-              const std::vector<float> y = RunForward(hb, T, c, o, pool);
+              const std::vector<float> y = RunForward(bank, T, c, o, pool);
               // memcmp: bit for bit (NaN-safe, -0 vs +0 distinguished).
               EXPECT_EQ(std::memcmp(y.data(), y0.data(), y.size() * sizeof(float)), 0)
                   << common::WeightFormatName(f) << " " << target << " T=" << T
