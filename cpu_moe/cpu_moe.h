@@ -159,8 +159,9 @@ struct Options {
   // benchmarks/h200host_tuning_2026-11-30_session3.md): bf16 prefetches 4096 bytes ahead, fp8
   // 2048 bytes, the 4-bit formats 1024 bytes (four times as many rows of their smaller rows),
   // 2048 in panels (session 8, benchmarks/h200host_tuning_2026-11-30_session8.md); pass 1 takes
-  // 64 gate rows per item (bf16, fp8) or 128 (4-bit formats), pass 2 128 rows (bf16, fp8) or 256
-  // (4-bit formats). Panel banks round the rows per item up to whole 16-row panels.
+  // 64 gate rows per item (bf16, fp8) or 128 (4-bit formats; 256 in panels), pass 2 128 rows
+  // (bf16, fp8) or 256 (4-bit formats). Panel banks round the rows per item up to whole 16-row
+  // panels.
   static constexpr int kAuto = -1;
   // Bytes ahead of the current position that the row kernels prefetch in the weight stream (and
   // how much of the next row / expert's rows is prefetched up front). 0 turns software prefetch
