@@ -17,7 +17,9 @@
 // --threads=<n> (default: physical cores), --probe_rounds=<n> (DRAM probe rounds per reading,
 // default 3; 1 on a slow machine, where one reading of the 4 x LLC buffer takes a second),
 // --hugepages=0 (weights on 4 KiB pages; by default they
-// are advised onto transparent huge pages like the probe's buffer). Env MOE_CPU_MAX_TARGET caps
+// are advised onto transparent huge pages like the probe's buffer), --layout=panels|row (q4_0,
+// mxfp4 and nvfp4 banks in 16-row panels as PackPanels makes them, the default, or row-major;
+// env MOE_BENCH_LAYOUT, which --ab variants can set; the counter `panels` says which ran). Env MOE_CPU_MAX_TARGET caps
 // the ISA as in the library, MOE_CPU_BF16_DOT=0 turns bf16's dot product off (the counter bf16_dot
 // says whether it ran).
 //   BM_CpuMoeSpeedup/<format>/<E>/<T>: dedup on and off alternated step by step in one case, so
