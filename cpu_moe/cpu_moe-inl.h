@@ -966,7 +966,7 @@ HWY_INLINE hn::Vec<DF> PanelScales(DF df, const uint8_t* HWY_RESTRICT p) {
 // per 16 columns). Per 32-column block, each panel's 256 code bytes become 8 vectors of unsigned
 // codes, w[g] holding columns 4g..4g+3 of the block in lane j (row j), and each route's 4-byte
 // activation groups are broadcast to every lane: 8 dot products into one int32 sum per route
-// (nvfp4: two, one per 16-column block), converted and scaled once. Vectors narrower than 64
+// (in two chains of 4, added; nvfp4: one sum per 16-column block), converted and scaled once. Vectors narrower than 64
 // bytes take the panel's rows a slice at a time (rows [s/4, s/4 + N/4) for byte offset s).
 template <common::WeightFormat F, int NP, int NT>
 HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, const ActView* acts,

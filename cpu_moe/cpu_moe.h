@@ -51,9 +51,9 @@ using common::WeightFormat;
 //
 // Layout::kPanels (q4_0, mxfp4, nvfp4; made by PackPanels): each matrix is stored in panels of
 // 16 rows, so that int32 lane j of every 512-bit vector of a panel is row j and one dot-product
-// instruction serves 16 rows of a route at once: 11 vector operations per 512 weights and route
-// (8 vpdpbusd, a conversion, a multiply, an FMA) where the row-major kernels spend 14 and a
-// horizontal sum per row and route, and a cheaper decode. `*_weights` points at, per expert
+// instruction serves 16 rows of a route at once: 12 vector operations per 512 weights and route
+// (8 vpdpbusd, an add, a conversion, a multiply, an FMA) where the row-major kernels spend 14 and
+// a horizontal sum per row and route, and a cheaper decode. `*_weights` points at, per expert
 // (experts contiguous), the rows / 16 panels in order; panel p (rows [16p, 16p + 16)) is
 //   codes:  cols/32 blocks of 256 bytes; byte 64v + 4j + i of block b (v < 4, j < 16, i < 4)
 //           holds row 16p + j's codes of column 32b + 8v + i (low nibble) and 32b + 8v + 4 + i
