@@ -580,6 +580,29 @@ HWY_INLINE const uint8_t* PackedAddr(const QuantRow& q, size_t b) {
   }
 }
 
+// Block scale codes (one per u32 lane, in its low byte) -> f32, as stored: mxfp4's ue8m0 e ->
+// 2^(e - 127), 0 -> 2^-127 (an f32 subnormal), 0xFF -> NaN (the upper bytes must be 0); nvfp4's
+// e4m3 -> its value: exponent and mantissa moved to the f32 fields give value * 2^-120 (e4m3
+// subnormals land on f32 subnormals, exactly), 0x7F / 0xFF NaN.
+template <common::WeightFormat F, class DF>
+HWY_INLINE hn::Vec<DF> ScaleCodesToF32(DF df, hn::Vec<hn::RebindToUnsigned<DF>> c) {
+  const hn::RebindToUnsigned<DF> du32;
+  if constexpr (F == common::WeightFormat::kMxfp4) {
+    auto bits = hn::ShiftLeft<23>(c);
+    bits = hn::IfThenElse(hn::Eq(c, hn::Zero(du32)), hn::Set(du32, 0x00400000u), bits);
+    bits = hn::IfThenElse(hn::Eq(c, hn::Set(du32, 0xFFu)), hn::Set(du32, 0x7FC00000u), bits);
+    return hn::BitCast(df, bits);
+  } else {
+    static_assert(F == common::WeightFormat::kNvfp4, "ue8m0 or e4m3 scales");
+    const auto mag = hn::And(c, hn::Set(du32, 0x7Fu));
+    const auto bits =
+        hn::Or(hn::ShiftLeft<20>(mag), hn::ShiftLeft<24>(hn::And(c, hn::Set(du32, 0x80u))));
+    const auto v = hn::Mul(hn::BitCast(df, bits), hn::Set(df, 0x1p120f));
+    return hn::IfThenElse(hn::RebindMask(df, hn::Eq(mag, hn::Set(du32, 0x7Fu))),
+                          hn::Set(df, std::numeric_limits<float>::quiet_NaN()), v);
+  }
+}
+
 #if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3
 // Index tables of the 512-bit chunk loads (see QuantChunk).
 // q4_0: fp16 d of blocks 0..3 of a 72-byte chunk are 16-bit words 0, 9, 18, 27 of its first 64
@@ -619,28 +642,14 @@ struct ScaleIdx {
 };
 alignas(64) static constexpr ScaleIdx kScaleIdx{};
 
-// ue8m0 exponents (one per u32 lane, in its low byte) -> f32 2^(e - 127); 0 -> 2^-127 (an f32
-// subnormal), 0xFF -> NaN.
+// ue8m0 exponents / e4m3 codes (one per u32 lane, in its low byte) -> f32 (ScaleCodesToF32).
+using Df512 = hn::ScalableTag<float>;
+using Du512 = hn::RebindToUnsigned<Df512>;
 HWY_INLINE __m512 Ue8m0Lanes(__m512i e) {
-  __m512i bits = _mm512_slli_epi32(e, 23);
-  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
-                               _mm512_set1_epi32(0x00400000));
-  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(0xFF)),
-                               _mm512_set1_epi32(0x7FC00000));
-  return _mm512_castsi512_ps(bits);
+  return ScaleCodesToF32<common::WeightFormat::kMxfp4>(Df512(), hn::Vec<Du512>{e}).raw;
 }
-
-// e4m3 codes (one per u32 lane, in its low byte) -> f32: exponent and mantissa moved to the f32
-// fields give value * 2^-120 (e4m3 subnormals land on f32 subnormals, exactly); 0x7F / 0xFF
-// are NaN.
 HWY_INLINE __m512 E4m3Lanes(__m512i s) {
-  const __m512i mag = _mm512_and_si512(s, _mm512_set1_epi32(0x7F));
-  const __m512i bits = _mm512_or_si512(
-      _mm512_slli_epi32(mag, 20),
-      _mm512_slli_epi32(_mm512_and_si512(s, _mm512_set1_epi32(0x80)), 24));
-  __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
-  return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)),
-                            _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  return ScaleCodesToF32<common::WeightFormat::kNvfp4>(Df512(), hn::Vec<Du512>{s}).raw;
 }
 
 // Index tables of the block-lane chunks (see QuantDotBlockLane).
@@ -943,20 +952,7 @@ HWY_INLINE hn::Vec<DF> PanelScales(DF df, const uint8_t* HWY_RESTRICT p) {
     const hn::Rebind<hwy::float16_t, DF> df16;
     return hn::PromoteTo(df, hn::LoadU(df16, reinterpret_cast<const hwy::float16_t*>(p)));
   } else {
-    const auto c = hn::PromoteTo(du32, hn::LoadU(hn::Rebind<uint8_t, DF>(), p));
-    if constexpr (F == common::WeightFormat::kMxfp4) {
-      auto bits = hn::ShiftLeft<23>(c);
-      bits = hn::IfThenElse(hn::Eq(c, hn::Zero(du32)), hn::Set(du32, 0x00400000u), bits);
-      bits = hn::IfThenElse(hn::Eq(c, hn::Set(du32, 0xFFu)), hn::Set(du32, 0x7FC00000u), bits);
-      return hn::BitCast(df, bits);
-    } else {
-      // Exponent and mantissa moved to the f32 fields give value * 2^-120 (see E4m3Lanes).
-      const auto mag = hn::And(c, hn::Set(du32, 0x7Fu));
-      const auto bits = hn::Or(hn::ShiftLeft<20>(mag), hn::ShiftLeft<24>(hn::And(c, hn::Set(du32, 0x80u))));
-      const auto v = hn::Mul(hn::BitCast(df, bits), hn::Set(df, 0x1p120f));
-      return hn::IfThenElse(hn::RebindMask(df, hn::Eq(mag, hn::Set(du32, 0x7Fu))),
-                            hn::Set(df, std::numeric_limits<float>::quiet_NaN()), v);
-    }
+    return ScaleCodesToF32<F>(df, hn::PromoteTo(du32, hn::LoadU(hn::Rebind<uint8_t, DF>(), p)));
   }
 }
 
