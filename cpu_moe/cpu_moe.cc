@@ -364,34 +364,41 @@ absl::Status ValidatePrefetch(int bytes, int max, const char* name) {
 // Panel banks: scale bytes per 32-column block of a 16-row panel (see Layout::kPanels).
 size_t PanelScaleBytes(WeightFormat f) { return f == WeightFormat::kMxfp4 ? 16 : 32; }
 
-// One matrix [rows, cols] of one expert, row-major -> panels (see Layout::kPanels).
+// One matrix [rows, cols] of one expert, row-major -> panels (see Layout::kPanels). Each row's
+// block is unpacked to its 32 codes first, then written as the panel's 16 bytes of that row.
 void PackMatrixPanels(WeightFormat f, const void* weights, const void* scales, size_t rows,
                       size_t cols, uint8_t* out) {
   const size_t nb = cols / 32, sb = PanelScaleBytes(f);
   const auto* q4 = static_cast<const common::BlockQ4_0*>(weights);
   const auto* packed = static_cast<const uint8_t*>(weights);
   const auto* sc = static_cast<const uint8_t*>(scales);
-  // Code (4 bits) of column c of row r.
-  auto code = [&](size_t r, size_t c) -> unsigned {
-    if (f == WeightFormat::kQ4_0) {
-      const common::BlockQ4_0& blk = q4[r * nb + c / 32];
-      const size_t i = c % 32;
-      return i < 16 ? blk.qs[i] & 15u : blk.qs[i - 16] >> 4;
-    }
-    const uint8_t byte = packed[r * (cols / 2) + c / 2];
-    return c % 2 == 0 ? byte & 15u : byte >> 4;
-  };
   for (size_t p = 0; p < rows / 16; ++p) {
     uint8_t* codes = out + p * nb * (256 + sb);
     uint8_t* pscales = codes + nb * 256;
-    for (size_t b = 0; b < nb; ++b) {
-      for (size_t j = 0; j < 16; ++j) {
-        const size_t r = 16 * p + j;
+    for (size_t j = 0; j < 16; ++j) {
+      const size_t r = 16 * p + j;
+      for (size_t b = 0; b < nb; ++b) {
+        uint8_t code[32];
+        if (f == WeightFormat::kQ4_0) {
+          // q4_0 keeps column c < 16 in the low nibble of qs[c], c >= 16 in the high nibble of
+          // qs[c - 16].
+          const common::BlockQ4_0& blk = q4[r * nb + b];
+          for (size_t i = 0; i < 16; ++i) {
+            code[i] = blk.qs[i] & 15;
+            code[16 + i] = blk.qs[i] >> 4;
+          }
+        } else {
+          // fp4: column 2i in the low nibble of byte i, 2i + 1 in the high nibble.
+          const uint8_t* src = packed + r * (cols / 2) + 16 * b;
+          for (size_t i = 0; i < 16; ++i) {
+            code[2 * i] = src[i] & 15;
+            code[2 * i + 1] = src[i] >> 4;
+          }
+        }
+        uint8_t* dst = codes + b * 256 + 4 * j;
         for (size_t v = 0; v < 4; ++v) {
           for (size_t i = 0; i < 4; ++i) {
-            const size_t c = 32 * b + 8 * v + i;
-            codes[b * 256 + 64 * v + 4 * j + i] =
-                static_cast<uint8_t>(code(r, c) | (code(r, c + 4) << 4));
+            dst[64 * v + i] = static_cast<uint8_t>(code[8 * v + i] | (code[8 * v + 4 + i] << 4));
           }
         }
         uint8_t* s = pscales + b * sb;
