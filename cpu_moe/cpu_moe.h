@@ -110,7 +110,8 @@ struct Options {
   // 128-byte chunk of a row in a block-lane order, in which every int32 lane stays within one
   // weight block, so a route converts and scales once per 256 weights instead of once per 64.
   // false: the plain layout (for comparison; results differ only by int32 -> fp32 rounding of
-  // partial sums, within the format's tolerance).
+  // partial sums, within the format's tolerance). Banks in panels (Layout::kPanels) have their
+  // own kernel and ignore this.
   bool block_lane = true;
   // Print the reuse factor (routes / unique experts), the chosen target and whether bf16's dot
   // product ran to stderr per call.
