@@ -28,13 +28,11 @@
 #include <random>
 #include <vector>
 
+#include "common/formats.h"
+
 namespace {
 
-struct BlockQ4 {
-  uint16_t d;  // fp16
-  uint8_t qs[16];
-};
-static_assert(sizeof(BlockQ4) == 18, "q4_0 block");
+using BlockQ4 = moe::common::BlockQ4_0;
 
 constexpr int kPanel = 16;
 constexpr int kMaxRoutes = 8;
