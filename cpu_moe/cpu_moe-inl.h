@@ -975,6 +975,8 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
   const size_t k = m.cols, nb = k / 32;
   constexpr size_t kSb = PanelScaleBytes<F>();
   constexpr bool kNv = F == common::WeightFormat::kNvfp4;
+  constexpr int kG = NP < 2 ? NP : 2;
+  static_assert(NP % kG == 0, "panels go two at a time");
   // Prefetches, per block of each panel, m.prefetch.l1 bytes ahead into L1 and (when not 0)
   // m.prefetch.l2 bytes ahead into L2, in the codes and (1/8 as far) in the scales.
   const size_t pf = m.prefetch.l1, pf2 = m.prefetch.l2;
@@ -991,80 +993,84 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
       for (int t = 0; t < NT; ++t) acc[p][t] = hn::Zero(df);
     }
     for (size_t b = 0; b < nb; ++b) {
-      hn::Vec<decltype(d8)> w[NP][8];
-      hn::Vec<decltype(df)> ws[NP][kNv ? 2 : 1];
-      for (int p = 0; p < NP; ++p) {
-        const uint8_t* c = codes[p] + 256 * b;
-        const uint8_t* sc = codes[p] + 256 * nb + kSb * b;
-        if (pf != 0 && s == 0) {
-          for (size_t o = 0; o < 256; o += 64) Pf(c + pf + o);
-          Pf(sc + pf / 8);
-          if (pf2 != 0) {
-            for (size_t o = 0; o < 256; o += 64) PfL2(c + pf2 + o);
-            PfL2(sc + pf2 / 8);
-          }
-        }
-        for (int v = 0; v < 4; ++v) {
-          const auto raw = hn::LoadU(d8, c + 64 * v + s);
-#if HWY_TARGET == HWY_AVX3_DL
-          if constexpr (F != common::WeightFormat::kQ4_0) {
-            if constexpr (hn::MaxLanes(d8) == 64) {
-              // fp4 codes through vpermb over kFp4Lut repeated 4 times, which reads only the
-              // low 6 bits of each index byte: the low nibble alone picks the entry, so
-              // neither nibble needs masking (see QuantDotBlockLane). Side by side on the host
-              // (session 8): fp4 steps 0.2-4% faster than mask, shift, mask and pshufb.
-              const __m512i lut64 = _mm512_load_si512(reinterpret_cast<const void*>(kFp4Lut64));
-              w[p][2 * v] = hn::Vec<decltype(d8)>{_mm512_permutexvar_epi8(raw.raw, lut64)};
-              w[p][2 * v + 1] = hn::Vec<decltype(d8)>{
-                  _mm512_permutexvar_epi8(_mm512_srli_epi16(raw.raw, 4), lut64)};
-              continue;
+      // Panels two at a time (NP = 4: four streams, whose 32 decoded vectors would not fit in
+      // the registers with the sums): each panel's sums are the same chain of operations either way.
+      for (int p0 = 0; p0 < NP; p0 += kG) {
+        hn::Vec<decltype(d8)> w[kG][8];
+        hn::Vec<decltype(df)> ws[kG][kNv ? 2 : 1];
+        for (int p = 0; p < kG; ++p) {
+          const uint8_t* c = codes[p0 + p] + 256 * b;
+          const uint8_t* sc = codes[p0 + p] + 256 * nb + kSb * b;
+          if (pf != 0 && s == 0) {
+            for (size_t o = 0; o < 256; o += 64) Pf(c + pf + o);
+            Pf(sc + pf / 8);
+            if (pf2 != 0) {
+              for (size_t o = 0; o < 256; o += 64) PfL2(c + pf2 + o);
+              PfL2(sc + pf2 / 8);
             }
           }
-#endif
-          w[p][2 * v] = hn::And(raw, mask);
-          w[p][2 * v + 1] = hn::And(hn::ShiftRight<4>(raw), mask);
-          if constexpr (F != common::WeightFormat::kQ4_0) {
-            w[p][2 * v] = hn::TableLookupBytes(lut, w[p][2 * v]);
-            w[p][2 * v + 1] = hn::TableLookupBytes(lut, w[p][2 * v + 1]);
+          for (int v = 0; v < 4; ++v) {
+            const auto raw = hn::LoadU(d8, c + 64 * v + s);
+  #if HWY_TARGET == HWY_AVX3_DL
+            if constexpr (F != common::WeightFormat::kQ4_0) {
+              if constexpr (hn::MaxLanes(d8) == 64) {
+                // fp4 codes through vpermb over kFp4Lut repeated 4 times, which reads only the
+                // low 6 bits of each index byte: the low nibble alone picks the entry, so
+                // neither nibble needs masking (see QuantDotBlockLane). Side by side on the host
+                // (session 8): fp4 steps 0.2-4% faster than mask, shift, mask and pshufb.
+                const __m512i lut64 = _mm512_load_si512(reinterpret_cast<const void*>(kFp4Lut64));
+                w[p][2 * v] = hn::Vec<decltype(d8)>{_mm512_permutexvar_epi8(raw.raw, lut64)};
+                w[p][2 * v + 1] = hn::Vec<decltype(d8)>{
+                    _mm512_permutexvar_epi8(_mm512_srli_epi16(raw.raw, 4), lut64)};
+                continue;
+              }
+            }
+  #endif
+            w[p][2 * v] = hn::And(raw, mask);
+            w[p][2 * v + 1] = hn::And(hn::ShiftRight<4>(raw), mask);
+            if constexpr (F != common::WeightFormat::kQ4_0) {
+              w[p][2 * v] = hn::TableLookupBytes(lut, w[p][2 * v]);
+              w[p][2 * v + 1] = hn::TableLookupBytes(lut, w[p][2 * v + 1]);
+            }
+          }
+          if constexpr (kNv) {
+            ws[p][0] = PanelScales<F>(df, sc + s / 4);
+            ws[p][1] = PanelScales<F>(df, sc + 16 + s / 4);
+          } else {
+            ws[p][0] = PanelScales<F>(df, sc + (F == common::WeightFormat::kQ4_0 ? s / 2 : s / 4));
           }
         }
-        if constexpr (kNv) {
-          ws[p][0] = PanelScales<F>(df, sc + s / 4);
-          ws[p][1] = PanelScales<F>(df, sc + 16 + s / 4);
-        } else {
-          ws[p][0] = PanelScales<F>(df, sc + (F == common::WeightFormat::kQ4_0 ? s / 2 : s / 4));
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* q = acts[t].q;
+          const int8_t* a = q + 32 * b;
+          const float xs = reinterpret_cast<const float*>(q + k)[b];
+          const int32_t* neg = reinterpret_cast<const int32_t*>(q + k + k / 8) + 2 * b;
+          const auto xv = hn::Set(df, xs);
+          // Each broadcast group of 4 activation codes serves every panel (nvfp4: per 16-column
+          // half, with that half's scales).
+          for (int h = 0; h < (kNv ? 2 : 1); ++h) {
+            // Two int32 chains per panel (even and odd groups), added before the conversion:
+            // half the dependent dot products in a row, one addition more (one chain was up to 3%
+            // slower at 4 routes per expert side by side on the host, session 8).
+            hn::Vec<decltype(di32)> sum[kG][2];
+            for (int p = 0; p < kG; ++p) {
+              sum[p][0] = hn::Set(di32, kNv ? neg[h] : neg[0] + neg[1]);
+              sum[p][1] = hn::Zero(di32);
+            }
+            for (int g = kNv ? 4 * h : 0; g < (kNv ? 4 * h + 4 : 8); ++g) {
+              int32_t word;
+              std::memcpy(&word, a + 4 * g, 4);
+              const auto x = hn::BitCast(di8, hn::Set(di32, word));
+              for (int p = 0; p < kG; ++p) sum[p][g % 2] = DotAcc(di32, sum[p][g % 2], w[p][g], x);
+            }
+            for (int p = 0; p < kG; ++p) {
+              acc[p0 + p][t] = hn::MulAdd(hn::ConvertTo(df, hn::Add(sum[p][0], sum[p][1])),
+                                     hn::Mul(ws[p][h], xv), acc[p0 + p][t]);
+            }
+          }
+        }
         }
       }
-      for (int t = 0; t < NT; ++t) {
-        const int8_t* q = acts[t].q;
-        const int8_t* a = q + 32 * b;
-        const float xs = reinterpret_cast<const float*>(q + k)[b];
-        const int32_t* neg = reinterpret_cast<const int32_t*>(q + k + k / 8) + 2 * b;
-        const auto xv = hn::Set(df, xs);
-        // Each broadcast group of 4 activation codes serves every panel (nvfp4: per 16-column
-        // half, with that half's scales).
-        for (int h = 0; h < (kNv ? 2 : 1); ++h) {
-          // Two int32 chains per panel (even and odd groups), added before the conversion:
-          // half the dependent dot products in a row, one addition more (one chain was up to 3%
-          // slower at 4 routes per expert side by side on the host, session 8).
-          hn::Vec<decltype(di32)> sum[NP][2];
-          for (int p = 0; p < NP; ++p) {
-            sum[p][0] = hn::Set(di32, kNv ? neg[h] : neg[0] + neg[1]);
-            sum[p][1] = hn::Zero(di32);
-          }
-          for (int g = kNv ? 4 * h : 0; g < (kNv ? 4 * h + 4 : 8); ++g) {
-            int32_t word;
-            std::memcpy(&word, a + 4 * g, 4);
-            const auto x = hn::BitCast(di8, hn::Set(di32, word));
-            for (int p = 0; p < NP; ++p) sum[p][g % 2] = DotAcc(di32, sum[p][g % 2], w[p][g], x);
-          }
-          for (int p = 0; p < NP; ++p) {
-            acc[p][t] = hn::MulAdd(hn::ConvertTo(df, hn::Add(sum[p][0], sum[p][1])),
-                                   hn::Mul(ws[p][h], xv), acc[p][t]);
-          }
-        }
-      }
-    }
     for (int p = 0; p < NP; ++p) {
       for (int t = 0; t < NT; ++t) {
         hn::StoreU(hn::Mul(acc[p][t], hn::Set(df, scale[t])), df, out[p * NT + t] + s / 4);
@@ -1073,7 +1079,8 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
   }
 }
 
-// PanelDot for any number n of activations, NT = 8 / NP at a time.
+// PanelDot for any number n of activations, NT = 8 / NP at a time (NP = 4: 2, the four
+// streams of experts with few routes, Options::row_streams).
 template <common::WeightFormat F, int NP>
 HWY_INLINE void PanelDotMany(const MatrixRef& m, size_t e, const size_t* panels,
                              const ActView* acts, const float* scale, int n, float* const* out) {
@@ -2131,10 +2138,17 @@ void ForwardFormat(ForwardPlan& plan) {
     float* const out[4] = {gs, us, gs2, us2};
     const int streams = streams_for(n);
     const bool use_amx = amx_for(n);
+    // Panel banks with four streams: gate and up panels of r and of r + panel_half together
+    // (whole panels; a last odd panel of the item goes with its up panel alone).
+    const size_t panel_half = panels && streams == 4 ? (r1 - r0) / 32 * 16 : 0;
     if constexpr (IsQuant<F>()) {
       if (panels) {
         PrefetchPanel<F>(gate_up, g.expert, r0 / 16);
         PrefetchPanel<F>(gate_up, g.expert, (I + r0) / 16);
+        if (panel_half > 0) {
+          PrefetchPanel<F>(gate_up, g.expert, (r0 + panel_half) / 16);
+          PrefetchPanel<F>(gate_up, g.expert, (I + r0 + panel_half) / 16);
+        }
       }
     }
     if (!use_amx && !panels) {
@@ -2174,8 +2188,19 @@ void ForwardFormat(ForwardPlan& plan) {
           // A gate panel with its up panel: 16 rows of each per PanelDot.
           float post[64];
           std::fill(post, post + nc, PanelPost<F>(gate_up, g.expert));
-          float* o[128];
-          for (size_t r = r0; r < r1; r += 16) {
+          float* o[256];
+          for (size_t r = r0; r < r0 + panel_half; r += 16) {
+            const size_t pn[4] = {r / 16, (I + r) / 16, (r + panel_half) / 16,
+                                  (I + r + panel_half) / 16};
+            for (int i = 0; i < nc; ++i) {
+              o[i] = hrow[i] + r;
+              o[nc + i] = urow[i] + r;
+              o[2 * nc + i] = hrow[i] + r + panel_half;
+              o[3 * nc + i] = urow[i] + r + panel_half;
+            }
+            PanelDotMany<F, 4>(gate_up, g.expert, pn, acts, post, nc, o);
+          }
+          for (size_t r = r0 + 2 * panel_half; r < r1; r += 16) {
             const size_t pn[2] = {r / 16, (I + r) / 16};
             for (int i = 0; i < nc; ++i) {
               o[i] = hrow[i] + r;
@@ -2251,12 +2276,17 @@ void ForwardFormat(ForwardPlan& plan) {
     const size_t q = streams_for(n) == 4 && !use_amx && !panels ? (h1 - h0) / 4 : 0;
     const size_t p0 = h0 + 4 * q;
     const size_t half = use_amx || panels ? 0 : (h1 - p0) / 2;
-    // Panel banks: panels [ph0, ph1) of the block, P with P + np / 2 (an odd last one alone).
-    const size_t ph0 = h0 / 16, np = (h1 - h0) / 16, phalf = panels ? np / 2 : 0;
+    // Panel banks: the np panels of the block from ph0 on; with four streams P, P + pq,
+    // P + 2 pq, P + 3 pq for P < pq = np / 4 first; then of the rest (from pb on), P with
+    // P + phalf (an odd last one alone).
+    const size_t ph0 = h0 / 16, np = (h1 - h0) / 16;
+    const size_t pq = panels && streams_for(n) == 4 ? np / 4 : 0, pb = ph0 + 4 * pq;
+    const size_t phalf = panels ? (np - 4 * pq) / 2 : 0;
     if constexpr (IsQuant<F>()) {
       if (panels) {
-        PrefetchPanel<F>(down, g.expert, ph0);
-        if (phalf > 0) PrefetchPanel<F>(down, g.expert, ph0 + phalf);
+        for (size_t j = 0; j < (pq > 0 ? 4 : 0); ++j) PrefetchPanel<F>(down, g.expert, ph0 + j * pq);
+        PrefetchPanel<F>(down, g.expert, pb);
+        if (phalf > 0) PrefetchPanel<F>(down, g.expert, pb + phalf);
       }
     }
     for (size_t j = 0; j < (q > 0 ? 4 : 0); ++j) PrefetchRow(down, g.expert, h0 + j * q, row_bytes2);
@@ -2295,16 +2325,23 @@ void ForwardFormat(ForwardPlan& plan) {
           float scale[64];
           const float post = PanelPost<F>(down, g.expert);
           for (int i = 0; i < nc; ++i) scale[i] = post * wt[i];
-          float* o[128];
+          float* o[256];
+          for (size_t p = 0; p < pq; ++p) {
+            const size_t pn[4] = {ph0 + p, ph0 + pq + p, ph0 + 2 * pq + p, ph0 + 3 * pq + p};
+            for (int j = 0; j < 4; ++j) {
+              for (int i = 0; i < nc; ++i) o[j * nc + i] = dst[i] + 16 * pn[j];
+            }
+            PanelDotMany<F, 4>(down, g.expert, pn, acts, scale, nc, o);
+          }
           for (size_t p = 0; p < phalf; ++p) {
-            const size_t pn[2] = {ph0 + p, ph0 + phalf + p};
+            const size_t pn[2] = {pb + p, pb + phalf + p};
             for (int i = 0; i < nc; ++i) {
               o[i] = dst[i] + 16 * pn[0];
               o[nc + i] = dst[i] + 16 * pn[1];
             }
             PanelDotMany<F, 2>(down, g.expert, pn, acts, scale, nc, o);
           }
-          if (np % 2 != 0) {
+          if ((np - 4 * pq) % 2 != 0) {
             const size_t pn[1] = {ph0 + np - 1};
             for (int i = 0; i < nc; ++i) o[i] = dst[i] + 16 * pn[0];
             PanelDotMany<F, 1>(down, g.expert, pn, acts, scale, nc, o);

@@ -188,8 +188,9 @@ struct Options {
   // or quadruples p, p + n/4, p + n/2, p + 3n/4. More concurrent streams keep more bytes in
   // flight per core; each row keeps its own accumulators, so y is the same either way. kAuto:
   // four for experts with at most two routes in the int8 formats, two otherwise. Panel banks
-  // (Layout::kPanels) always read two panels at once (panels p and p + n/2 of an item's n) and
-  // ignore this.
+  // (Layout::kPanels) read panels the same way: two (pass 1: a gate panel with its up panel;
+  // pass 2: panels p and p + n/2 of an item's n) or four (two such gate and up pairs; panels p,
+  // p + n/4, p + n/2, p + 3n/4).
   int row_streams = kAuto;
 
   // Options with the environment's switches applied, read now (never cached):
