@@ -2002,9 +2002,11 @@ void ForwardFormat(ForwardPlan& plan) {
   // left too few bytes in flight (host, side by side: T=1 steps 6-10% faster with four), and two
   // otherwise (with more routes the four-row tiles halve the routes per decoded row, 11% slower
   // at 4 routes per expert; bf16 and fp8 gained nothing from four streams at T=1).
-  auto streams_for = [&opt](int routes) {
+  // Panel banks take two (kAuto): four panels at once were 0.8-2.8% faster at T=1 but 1-4.7%
+  // slower at T=8-16 side by side on the host (session 9, device_scripts/s9streams.sh).
+  auto streams_for = [&opt, panels](int routes) {
     if (opt.row_streams != Options::kAuto) return opt.row_streams;
-    return IsQuant<F>() && routes <= 2 ? 4 : 2;
+    return IsQuant<F>() && !panels && routes <= 2 ? 4 : 2;
   };
   // AMX (ForwardPlan::amx): experts with at least amx_min_routes routes.
   auto amx_for = [&plan](int routes) {

@@ -187,10 +187,10 @@ struct Options {
   // such pairs (rows r and r + n/2 of an item's n); in pass 2 row pairs p, p + n/2 of a block,
   // or quadruples p, p + n/4, p + n/2, p + 3n/4. More concurrent streams keep more bytes in
   // flight per core; each row keeps its own accumulators, so y is the same either way. kAuto:
-  // four for experts with at most two routes in the int8 formats, two otherwise. Panel banks
-  // (Layout::kPanels) read panels the same way: two (pass 1: a gate panel with its up panel;
-  // pass 2: panels p and p + n/2 of an item's n) or four (two such gate and up pairs; panels p,
-  // p + n/4, p + n/2, p + 3n/4).
+  // four for experts with at most two routes in the row-major int8 formats, two otherwise.
+  // Panel banks (Layout::kPanels) read panels the same way: two (pass 1: a gate panel with its
+  // up panel; pass 2: panels p and p + n/2 of an item's n) or four (two such gate and up pairs;
+  // panels p, p + n/4, p + n/2, p + 3n/4); kAuto gives them two.
   int row_streams = kAuto;
 
   // Options with the environment's switches applied, read now (never cached):
