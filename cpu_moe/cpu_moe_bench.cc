@@ -523,13 +523,17 @@ void BM_CpuMoeTrace(benchmark::State& state, WeightFormat format, int T) {
   SpeedupCase(state, format, kTraceExperts, T, t->trace.k, r, rng);
 }
 
-// Cache-hot kernel throughput (not a DRAM figure): one bank of 8 experts (all routed by every
-// token; T=4 / 8: 4 / 8 routes per expert), reused every step, so the weights come from L2/L3.
-// gbps_hot = weight bytes per step / time, and pass1_gbps_hot / pass2_gbps_hot the same per pass.
-// Run with --threads=1 to see one core's decode + dot rate, which must exceed the per-core DRAM
-// share of the target machine for the DRAM cases to be memory-bound.
-void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int T) {
-  constexpr int kE = 8;
+// Cache-hot kernel throughput (not a DRAM figure): one bank of 16 experts, each with `routes`
+// routes (2 x routes tokens, the even ones routed to experts 0-7, the odd ones to 8-15), reused
+// every step, so the weights come from L2/L3 (bf16: 151 MB). 16 experts give 48 pass-1 items, 3
+// per worker with 16 workers (8 experts gave 24, and half the workers idled through the second
+// half of pass 1). gbps_hot = weight bytes per step / time, and pass1_gbps_hot / pass2_gbps_hot
+// the same per pass. With --threads=1: one core's decode + dot rate, which must exceed the
+// per-core DRAM share of the target machine for the DRAM cases to be memory-bound.
+void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int routes) {
+  constexpr int kE = 16;
+  static_assert(kE == 2 * kTopK, "each token routes to half the experts");
+  const int T = 2 * routes;
   static std::unique_ptr<testing::HostBank> hb;
   static std::unique_ptr<PanelBank> hb_panels;
   static WeightFormat hb_format;
@@ -549,7 +553,7 @@ void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int T) {
   const ExpertBank& bank = UsePanels(format) ? hb_panels->bank : hb->bank;
   std::vector<int32_t> ids;
   for (int t = 0; t < T; ++t) {
-    for (int j = 0; j < kTopK; ++j) ids.push_back((j + t) % kE);
+    for (int j = 0; j < kTopK; ++j) ids.push_back(j + kTopK * (t % 2));
   }
   std::vector<float> w(T * kTopK, 1.0f / kTopK);
   std::mt19937_64 rng(5);
@@ -586,10 +590,10 @@ void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int T) {
 
 void RegisterAll() {
   for (WeightFormat f : kFormats) {
-    for (int T : {1, 4, 8}) {
+    for (int routes : {1, 4, 8}) {
       const std::string name =
-          absl::StrCat("BM_CpuMoeHot/", std::string(common::WeightFormatName(f)), "/", T);
-      benchmark::RegisterBenchmark(name.c_str(), BM_CpuMoeHot, f, T)
+          absl::StrCat("BM_CpuMoeHot/", std::string(common::WeightFormatName(f)), "/", routes);
+      benchmark::RegisterBenchmark(name.c_str(), BM_CpuMoeHot, f, routes)
           ->UseRealTime()
           ->Unit(benchmark::kMillisecond)
           ->MinTime(0.3);
@@ -830,7 +834,7 @@ constexpr char kUsage[] =
     "  --variant=<name>:<ENV>=<v>[;<ENV>=<v>]  a variant of the library's env switches (--ab)\n"
     "  --ab_reps=<n>         rounds of the side-by-side mode (default 9)\n"
     "Families: BM_CpuMoe/<format>/<E>/<T>/<dedup>, BM_CpuMoeSpeedup/<format>/<E>/<T>,\n"
-    "BM_CpuMoeHot/<format>/<T>; python3 cpu_moe/benchmarks/summarize.py reads the JSON.\n\n";
+    "BM_CpuMoeHot/<format>/<routes per expert>; python3 cpu_moe/benchmarks/summarize.py reads the JSON.\n\n";
 
 int main(int argc, char** argv) {
   using moe::cpu_moe::g_threads;
