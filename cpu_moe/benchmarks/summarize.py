@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Summarizes a cpu_moe_bench JSON file against issue 3's targets.
 
-Usage: summarize.py RESULT.json
+Usage: summarize.py RESULT.json [MORE.json ...]  (the files' benchmarks are read together)
 Prints, per (format, E, T): ms per step with dedup off/on, reuse, speedup (off/on) and its
 fraction of the reuse factor, bw_fraction of both arms, and the step time with dedup over the
 time unique bytes take at the measured DRAM bandwidth (target <= 1.15 for T >= 8), and the
@@ -12,13 +12,65 @@ Then, where the file has BM_CpuMoeSpeedup or BM_CpuMoeTrace cases, the same spee
 with both arms alternated step by step in one case (the arms of the first table run minutes
 apart, at DRAM readings that can differ by 10-20%). Last, which cases meet issue 3's targets
 and which do not.
+
+Where the files also hold BM_CpuMoeHot with all workers (cpu_moe_bench
+--benchmark_filter=BM_CpuMoeHot/, the weights in cache: what the cores compute with no DRAM
+traffic at all), each dedup case also gets its compute floor: the time its experts take at the
+cache-hot rates, with each expert's routes drawn as in the case (uniform top-8 routing: routes
+per expert binomial(T, 8/E)) and the time per byte interpolated linearly between the measured 1,
+4 and 8 routes (proportional to the routes beyond 8). Interpolation is optimistic where a kernel
+takes routes in passes (5 routes cost two passes), so the floor is a lower bound. A case whose
+floor exceeds the step target, or whose dedup-off time over the larger of its floor and its
+DRAM time stays below 0.9 x reuse, cannot meet that target with these kernels on that machine,
+whatever the memory system does.
 """
 import json
+import math
 import sys
 
 
-def main(path):
-    data = json.load(open(path))
+def HotRates(benchmarks):
+    """{format: {routes: GB/s}} from BM_CpuMoeHot medians (aggregate rows, else the median run)."""
+    runs = {}
+    for b in benchmarks:
+        parts = b["name"].split("/")
+        if parts[0] != "BM_CpuMoeHot" or "threads=1" in b.get("label", ""):
+            continue
+        key = (parts[1], int(parts[2]))
+        if b.get("run_type") == "aggregate":
+            if b.get("aggregate_name") == "median":
+                runs[key] = [b]
+        elif key not in runs or runs[key][0].get("run_type") != "aggregate":
+            runs.setdefault(key, []).append(b)
+    rates = {}
+    for (fmt, routes), bs in runs.items():
+        bs.sort(key=lambda b: b["gbps_hot"])
+        g = bs[len(bs) // 2]["gbps_hot"]
+        rates.setdefault(fmt, {})[routes] = g / 1e9 if g > 1e6 else g
+    return {f: r for f, r in rates.items() if all(k in r for k in (1, 4, 8))}
+
+
+def ComputeFloorGbps(rate, e, t, k=8):
+    """Unique-expert bytes per second at the cache-hot rates for uniform top-k routing."""
+    s = {r: 1.0 / g for r, g in rate.items()}  # seconds per GB at r routes
+    def per_gb(r):
+        if r <= 4:
+            return s[1] + (r - 1) * (s[4] - s[1]) / 3
+        if r <= 8:
+            return s[4] + (r - 4) * (s[8] - s[4]) / 4
+        return s[8] * r / 8
+    p = k / e
+    probs = [math.comb(t, r) * p ** r * (1 - p) ** (t - r) for r in range(t + 1)]
+    used = 1.0 - probs[0]
+    mean = sum(probs[r] * per_gb(r) for r in range(1, t + 1)) / used
+    return 1.0 / mean
+
+
+def main(paths):
+    data = {"benchmarks": []}
+    for path in paths:
+        data["benchmarks"] += json.load(open(path))["benchmarks"]
+    hot = HotRates(data["benchmarks"])
     # With --benchmark_repetitions each case appears several times: keep the run with the median
     # step time (aggregate rows are skipped).
     runs = {}
@@ -76,7 +128,51 @@ def main(path):
             print(f"| {fmt} | {e} | {t} | {b['off_ms']:.2f} | {b['on_ms']:.2f} | {b['reuse']:.2f} | "
                   f"{b['speedup']:.2f} | {b['speedup_over_reuse']:.2f} | {b['on_bw_fraction']:.2f} | "
                   f"{b['off_bw_fraction']:.2f} | {b['dram_gbps']:.0f} |")
+    if hot:
+        Floors(rows, side_by_side, hot)
     Targets(rows, side_by_side)
+
+
+def Floors(rows, side_by_side, hot):
+    """The compute floor of each dedup case (see the module's doc) against both targets."""
+    print()
+    print("Compute floor (cache-hot rates, all workers): "
+          + "; ".join(f"{f} {r[1]:.0f} / {r[4]:.0f} / {r[8]:.0f} GB/s at 1 / 4 / 8 routes"
+                      for f, r in sorted(hot.items())))
+    print()
+    print("| format | E | T | DRAM GB/s | compute floor GB/s | floor / (unique/DRAM) | "
+          "measured / max(floor, unique/DRAM) | max speedup / reuse (side by side) |")
+    print("|---|---|---|---|---|---|---|---|")
+    out_step, out_speed = [], []
+    keys = sorted(set(rows) | set(side_by_side), key=lambda x: (x[0], -x[1], x[2]))
+    for (fmt, e, t) in keys:
+        if fmt not in hot or t < 8:
+            continue
+        floor = ComputeFloorGbps(hot[fmt], e, t)
+        on = rows.get((fmt, e, t), {}).get(1)
+        sb = side_by_side.get((fmt, e, t))
+        dram = on["dram_gbps"] if on else sb["dram_gbps"]
+        ratio = dram / floor
+        measured = "-"
+        if on:
+            best = on["unique_bytes"] / (min(floor, dram) * 1e9) * 1e3
+            measured = f"{on['ms_per_step'] / best:.2f}"
+        max_sp = "-"
+        if sb:
+            unique = sb["on_bw_fraction"] * sb["dram_gbps"] * 1e9 * sb["on_ms"] * 1e-3
+            best_on = unique / (min(floor, sb["dram_gbps"]) * 1e9) * 1e3
+            msr = sb["off_ms"] / best_on / sb["reuse"]
+            max_sp = f"{msr:.2f}"
+            if msr < 0.9:
+                out_speed.append(f"{fmt}/{e}/{t}: {msr:.2f}")
+        if ratio > 1.15:
+            out_step.append(f"{fmt}/{e}/{t}: {ratio:.2f}")
+        print(f"| {fmt} | {e} | {t} | {dram:.0f} | {floor:.0f} | {ratio:.2f} | {measured} | {max_sp} |")
+    print()
+    print(f"Step target out of reach (compute floor > 1.15 x unique bytes / DRAM): {len(out_step)}"
+          + (": " + "; ".join(out_step) if out_step else ""))
+    print(f"Speedup target out of reach (dedup-off time / max(floor, DRAM time) < 0.9 x reuse): "
+          f"{len(out_speed)}" + (": " + "; ".join(out_speed) if out_speed else ""))
 
 
 def Targets(rows, side_by_side):
@@ -120,4 +216,6 @@ def Targets(rows, side_by_side):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if len(sys.argv) < 2:
+        sys.exit("usage: summarize.py RESULT.json [MORE.json ...]")
+    main(sys.argv[1:])
