@@ -441,7 +441,6 @@ struct MatrixRef {
   size_t cols;
   PfDist prefetch;  // how far ahead the row kernels prefetch; see above
   bool block_lane;  // quantized rows start in the block-lane layout (BlockLaneBytes)
-  bool fp8_arith;   // fp8: Options::fp8_arith_decode
 };
 
 // sum_m u[m] * x[m] over groups of four bytes, added to the int32 lanes of acc. u is unsigned
@@ -1243,18 +1242,15 @@ struct Fp8Bf16Lut {
 alignas(64) static constexpr Fp8Bf16Lut kFp8Bf16Lut{};
 
 // The decode's tables and masks, loaded once per Fp8DotRows call and held in registers.
-// arith (Options::fp8_arith_decode): chunks without special codes are decoded arithmetically.
 struct Fp8Decoder {
   __m512i lo0, lo1, hi0, hi1, sign, hi16;
-  bool arith;
-  explicit Fp8Decoder(bool arith_decode = false)
+  Fp8Decoder()
       : lo0(_mm512_load_si512(kFp8Bf16Lut.lo)),
         lo1(_mm512_load_si512(kFp8Bf16Lut.lo + 64)),
         hi0(_mm512_load_si512(kFp8Bf16Lut.hi)),
         hi1(_mm512_load_si512(kFp8Bf16Lut.hi + 64)),
         sign(_mm512_set1_epi8(static_cast<char>(0x80))),
-        hi16(_mm512_set1_epi32(static_cast<int>(0xFFFF0000u))),
-        arith(arith_decode) {}
+        hi16(_mm512_set1_epi32(static_cast<int>(0xFFFF0000u))) {}
 
   // 64 codes -> 4 x 16 f32 weights in 9 instructions (13 uops: vpermi2b is 3), against about 22
   // uops through f16: two vpermi2b lookups (they index with the low 7 bits of each byte, bit 6
@@ -1266,30 +1262,7 @@ struct Fp8Decoder {
   // ActSet<kFp8Block>::Prepare lays out the activations.
   // The bf16 bits of the 64 codes as two vectors of 32 (p0: words i < 8 of each 128-bit lane q
   // from code 16q + i; p1: from code 16q + 8 + i).
-  //
-  // Arithmetic (arith): an e4m3 code with exponent field e in 1..15 and mantissa f is the bf16
-  // with exponent e + 120 and mantissa f << 4. Interleaved with zero, the code lands in the high
-  // byte of its 16-bit lane (same positions as above); shifted right arithmetically by 4, its
-  // sign fills bits 11..15 and e, f sit in bits 7..10, 4..6; keeping bits 0x87F0 and adding
-  // 120 << 7 gives the bf16. Zero, the subnormals (e = 0) and NaN (magnitude 0x7F) are not of
-  // that form: magnitude m is one of them iff ((m + 1) & 0x7F) <= 8, and a chunk with any takes
-  // the tables (real weights, scaled per block to e4m3's range, have about 1% such chunks).
   HWY_INLINE void DecodeBf16(__m512i code, __m512i& p0, __m512i& p1) const {
-    if (arith) {
-      const __mmask64 special = _mm512_cmple_epu8_mask(
-          _mm512_and_si512(_mm512_add_epi8(code, _mm512_set1_epi8(1)), _mm512_set1_epi8(0x7F)),
-          _mm512_set1_epi8(8));
-      if (HWY_LIKELY(special == 0)) {
-        const __m512i z = _mm512_setzero_si512();
-        const __m512i keep = _mm512_set1_epi16(static_cast<short>(0x87F0));
-        const __m512i bias = _mm512_set1_epi16(0x3C00);
-        p0 = _mm512_add_epi16(
-            _mm512_and_si512(_mm512_srai_epi16(_mm512_unpacklo_epi8(z, code), 4), keep), bias);
-        p1 = _mm512_add_epi16(
-            _mm512_and_si512(_mm512_srai_epi16(_mm512_unpackhi_epi8(z, code), 4), keep), bias);
-        return;
-      }
-    }
     const __m512i lo = _mm512_permutex2var_epi8(lo0, code, lo1);
     // hi | (code & sign): vpternlogd truth table A | (B & C) = 0xF0 | (0xCC & 0xAA).
     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, code, hi1), code,
@@ -1648,7 +1621,7 @@ HWY_INLINE void AmxDotRows(const MatrixRef& mat, size_t e, size_t a_row0, long b
     st.sb = st.sa + 16 * spitch;
     return st;
   };
-  const Fp8Decoder dec(mat.fp8_arith);
+  const Fp8Decoder dec;
   AmxScope amx;
   // Each tile's rows are staged once and serve every subgroup of 16 routes in turn (a group
   // with 36 routes runs three); the next tile is staged during the first subgroup's
@@ -1721,9 +1694,9 @@ HWY_INLINE void Fp8Blocks(const float* const* scale_row, size_t cols,
 // its upper positions hold +0 weights against the activations' zero padding.
 template <int NR, int NT>
 HWY_INLINE void Fp8DotRowsBf16(const uint8_t* const* w, const float* const* scale_row,
-                               size_t cols, PfDist pf, bool arith, const ActView* acts,
+                               size_t cols, PfDist pf, const ActView* acts,
                                float (*HWY_RESTRICT sums)[kTile]) {
-  const Fp8Decoder dec(arith);
+  const Fp8Decoder dec;
   Fp8Blocks<NR, NT>(scale_row, cols, sums, [&](size_t c, size_t c1, __m512 (*acc)[NT]) {
     __m512i wv[NR][2];
     for (int rr = 0; rr < NR; ++rr) {
@@ -1752,13 +1725,12 @@ HWY_INLINE void Fp8DotRowsBf16(const uint8_t* const* w, const float* const* scal
 // e4m3 / 256 (subnormals included), which F16C widens exactly (hence 256 on the block scale).
 template <int NR, int NT, bool kBf16Dot = false>
 HWY_INLINE void Fp8DotRows(const uint8_t* const* w, const float* const* scale_row, size_t cols,
-                           PfDist pf, bool arith, const ActView* acts,
-                           float (*HWY_RESTRICT sums)[kTile]) {
+                           PfDist pf, const ActView* acts, float (*HWY_RESTRICT sums)[kTile]) {
 #if HWY_TARGET == HWY_AVX3_DL
   if constexpr (kBf16Dot) {
-    return Fp8DotRowsBf16<NR, NT>(w, scale_row, cols, pf, arith, acts, sums);
+    return Fp8DotRowsBf16<NR, NT>(w, scale_row, cols, pf, acts, sums);
   }
-  const Fp8Decoder dec(arith);
+  const Fp8Decoder dec;
   Fp8Blocks<NR, NT>(scale_row, cols, sums, [&](size_t c, size_t c1, __m512 (*acc)[NT]) {
     if (c + 64 <= c1) {
       Fp8DotChunk<NR, NT, false>(dec, w, c, pf, acts, acc);
@@ -1767,7 +1739,6 @@ HWY_INLINE void Fp8DotRows(const uint8_t* const* w, const float* const* scale_ro
     }
   });
 #else
-  (void)arith;  // the AVX3_DL decode's option; this one has no tables to avoid
   const hn::ScalableTag<float> df;
   // Bit manipulation on 2 * Lanes(df) values at once in u16 lanes, then two f16 -> f32 widenings.
   const hn::ScalableTag<uint16_t> d16;
@@ -1855,7 +1826,7 @@ HWY_INLINE void DotRowsN(const MatrixRef& m, size_t e, const size_t* r, const Ac
       scale_row[rr] = static_cast<const float*>(m.scales) + e * brows * bcols +
                       (r[rr] / common::kFp8BlockSize) * bcols;
     }
-    Fp8DotRows<NR, NT, kBf16Dot>(w, scale_row, k, m.prefetch, m.fp8_arith, acts, sums);
+    Fp8DotRows<NR, NT, kBf16Dot>(w, scale_row, k, m.prefetch, acts, sums);
   }
 }
 
@@ -2050,9 +2021,9 @@ void ForwardFormat(ForwardPlan& plan) {
   };
 
   const MatrixRef gate_up{bank.gate_up_weights, bank.gate_up_scales, bank.gate_up_global_scales,
-                          2 * I, H, prefetch, opt.block_lane, opt.fp8_arith_decode};
+                          2 * I, H, prefetch, opt.block_lane};
   const MatrixRef down{bank.down_weights, bank.down_scales, bank.down_global_scales, H, I,
-                       prefetch, opt.block_lane, opt.fp8_arith_decode};
+                       prefetch, opt.block_lane};
 
   using Clock = std::chrono::steady_clock;
   auto lap = [&plan, t = Clock::now()](int phase) mutable {

@@ -514,7 +514,6 @@ Options Options::FromEnv() {
   EnvFlag("MOE_CPU_DEDUP", &o.dedup);
   EnvFlag("MOE_CPU_OVERLAP", &o.overlap_passes);
   EnvFlag("MOE_CPU_BLOCK_LANE", &o.block_lane);
-  EnvFlag("MOE_CPU_FP8_ARITH", &o.fp8_arith_decode);
   EnvFlag("MOE_CPU_DEBUG", &o.debug);
   EnvFlag("MOE_CPU_BF16_DOT", &o.bf16_dot_product);
   EnvFlag("MOE_CPU_AMX", &o.amx);

@@ -113,11 +113,6 @@ struct Options {
   // partial sums, within the format's tolerance). Banks in panels (Layout::kPanels) have their
   // own kernel and ignore this.
   bool block_lane = true;
-  // fp8_block on AVX3_DL: decode the e4m3 codes of a 64-column chunk arithmetically (their bits
-  // shifted into bf16 position and the exponent rebiased) where the chunk holds no zero,
-  // subnormal or NaN code, and through the byte tables otherwise. The weights come out the same
-  // either way (bit for bit), so y does too; only the instructions differ.
-  bool fp8_arith_decode = false;
   // Print the reuse factor (routes / unique experts), the chosen target and whether bf16's dot
   // product ran to stderr per call.
   bool debug = false;
@@ -201,7 +196,7 @@ struct Options {
   // Options with the environment's switches applied, read now (never cached):
   //   MOE_CPU_DEDUP=0 turns dedup off, MOE_CPU_OVERLAP=0 turns overlap_passes off,
   //   MOE_CPU_BLOCK_LANE=0 turns block_lane off, MOE_CPU_BF16_DOT=0 turns bf16_dot_product
-  //   off, MOE_CPU_FP8_ARITH=1|0 turns fp8_arith_decode on or off, MOE_CPU_AMX=0 turns amx off, MOE_CPU_AMX_MIN_ROUTES=<n> sets amx_min_routes,
+  //   off, MOE_CPU_AMX=0 turns amx off, MOE_CPU_AMX_MIN_ROUTES=<n> sets amx_min_routes,
   //   MOE_CPU_DEBUG=1 turns debug on,
   //   MOE_CPU_MAX_TARGET=<name> caps the target,
   //   MOE_CPU_ONEDNN_MIN_TOKENS=<n> sets onednn_min_tokens_per_expert (0: oneDNN off),

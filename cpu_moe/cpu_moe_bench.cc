@@ -926,7 +926,6 @@ int main(int argc, char** argv) {
                                              " row_streams=", o.row_streams,
                                              " overlap_passes=", o.overlap_passes ? 1 : 0,
                                              " block_lane=", o.block_lane ? 1 : 0,
-                                             " fp8_arith_decode=", o.fp8_arith_decode ? 1 : 0,
                                              " bf16_dot_product=", o.bf16_dot_product ? 1 : 0));
   }
   moe::cpu_moe::RegisterAll();

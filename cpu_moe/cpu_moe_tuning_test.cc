@@ -133,72 +133,15 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
               o.pass2_rows = s.pass2;
               o.overlap_passes = s.overlap;
               o.row_streams = s.streams;
-              o.fp8_arith_decode = (&s - settings.data()) % 2 == 1;
               const std::vector<float> y = RunForward(bank, T, c, o, pool);
               // memcmp: bit for bit (NaN-safe, -0 vs +0 distinguished).
               EXPECT_EQ(std::memcmp(y.data(), y0.data(), y.size() * sizeof(float)), 0)
                   << common::WeightFormatName(f) << " " << target << " T=" << T
                   << " dedup=" << dedup << " variant=" << variant << " prefetch=" << s.prefetch
                   << " prefetch_l2=" << s.prefetch_l2 << " pass1=" << s.pass1
-                  << " pass2=" << s.pass2 << " overlap=" << s.overlap << " streams=" << s.streams
-                  << " fp8_arith=" << o.fp8_arith_decode;
+                  << " pass2=" << s.pass2 << " overlap=" << s.overlap << " streams=" << s.streams;
             }
           }
-        }
-      }
-    }
-  }
-}
-
-// fp8's arithmetic decode (Options::fp8_arith_decode) gives the table decode's weights, so y bit
-// for bit, on a bank whose even rows hold a zero, subnormal or NaN code in every 64-column chunk
-// (those chunks take the tables) and whose odd rows hold none: both paths, in the vector kernels
-// (bf16 dot product on and off) and in AMX staging (every expert through AMX where the CPU has
-// it), every target, T in {1, 16}, dedup on and off.
-TEST(CpuMoeTuningTest, Fp8ArithmeticDecodeIsBitIdentical) {
-  common::ThreadPool pool(2);
-  HostBank hb = MakeRandomBank(WeightFormat::kFp8Block, kE, kH, kI, 77, false);
-  const uint8_t kSpecial[] = {0x00, 0x80, 0x01, 0x87, 0x04, 0x7F, 0x06, 0xFF};
-  auto plant = [&](std::vector<uint8_t>& w, size_t rows, size_t cols) {
-    size_t n = 0, chunks = 0, special = 0;
-    for (size_t r = 0; r < rows; ++r) {
-      for (size_t c = 0; c < cols; c += 64) {
-        uint8_t* chunk = w.data() + r * cols + c;
-        const size_t len = std::min<size_t>(64, cols - c);
-        bool any = false;
-        for (size_t i = 0; i < len; ++i) any |= (chunk[i] & 0x78) == 0 || (chunk[i] & 0x7F) == 0x7F;
-        if (r % 2 == 0) {
-          chunk[(r + c / 64) % len] = kSpecial[n++ % 8];
-          any = true;
-        }
-        ++chunks;
-        special += any;
-      }
-    }
-    // Both paths must run: some chunks special, most not.
-    EXPECT_GT(special, chunks / 3);
-    EXPECT_LT(special, chunks * 3 / 4);
-  };
-  plant(hb.gate_up_w, static_cast<size_t>(kE) * 2 * kI, kH);
-  plant(hb.down_w, static_cast<size_t>(kE) * kH, kI);
-  // The NaN codes (0x7F, 0xFF) make some outputs NaN; memcmp compares them bit for bit.
-  for (const std::string& target : AvailableTargets()) {
-    for (int T : {1, 16}) {
-      const Case c = MakeCase(T, 300 + T);
-      for (bool dedup : {true, false}) {
-        for (int variant : {0, 1, 2}) {  // bf16 dot product off, on, on with AMX everywhere
-          Options o;
-          o.max_target = target;
-          o.dedup = dedup;
-          o.bf16_dot_product = variant > 0;
-          if (variant == 2) o.amx_min_routes = 1;
-          o.onednn_min_tokens_per_expert = 0;
-          o.fp8_arith_decode = false;
-          const std::vector<float> table = RunForward(hb.bank, T, c, o, pool);
-          o.fp8_arith_decode = true;
-          const std::vector<float> arith = RunForward(hb.bank, T, c, o, pool);
-          EXPECT_EQ(std::memcmp(table.data(), arith.data(), table.size() * sizeof(float)), 0)
-              << target << " T=" << T << " dedup=" << dedup << " variant=" << variant;
         }
       }
     }
@@ -265,11 +208,6 @@ TEST(CpuMoeTuningTest, EnvReadWhenOptionsAreBuilt) {
   EXPECT_EQ(d.pass2_rows, Options::kAuto);
   EXPECT_TRUE(d.overlap_passes);
   EXPECT_TRUE(d.block_lane);
-  EXPECT_FALSE(d.fp8_arith_decode);
-  setenv("MOE_CPU_FP8_ARITH", "1", 1);
-  EXPECT_TRUE(Options::FromEnv().fp8_arith_decode);
-  unsetenv("MOE_CPU_FP8_ARITH");
-  EXPECT_FALSE(Options::FromEnv().fp8_arith_decode);
   setenv("MOE_CPU_BLOCK_LANE", "0", 1);
   EXPECT_FALSE(Options::FromEnv().block_lane);
   unsetenv("MOE_CPU_BLOCK_LANE");
