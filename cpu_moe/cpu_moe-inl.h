@@ -962,8 +962,11 @@ HWY_INLINE hn::Vec<DF> PanelScales(DF df, const uint8_t* HWY_RESTRICT p) {
 // per 16 columns). Per 32-column block, each panel's 256 code bytes become 8 vectors of unsigned
 // codes, w[g] holding columns 4g..4g+3 of the block in lane j (row j), and each route's 4-byte
 // activation groups are broadcast to every lane: 8 dot products into one int32 sum per route
-// (in two chains of 4, added; nvfp4: one sum per 16-column block), converted and scaled once. Vectors narrower than 64
-// bytes take the panel's rows a slice at a time (rows [s/4, s/4 + N/4) for byte offset s).
+// (in two chains of 4, added; nvfp4: one sum per 16-column block), converted and scaled once.
+// Vectors narrower than 64 bytes take the panel's rows a slice at a time (rows [s/4, s/4 + N/4)
+// for byte offset s). Panels go two at a time within each block (NP = 4: the four streams of
+// Options::row_streams, whose 32 decoded vectors would not fit in the registers with the sums);
+// each panel's sums are the same chain of operations whatever NP is.
 template <common::WeightFormat F, int NP, int NT>
 HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, const ActView* acts,
                          const float* scale, float* const* out) {
@@ -993,8 +996,6 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
       for (int t = 0; t < NT; ++t) acc[p][t] = hn::Zero(df);
     }
     for (size_t b = 0; b < nb; ++b) {
-      // Panels two at a time (NP = 4: four streams, whose 32 decoded vectors would not fit in
-      // the registers with the sums): each panel's sums are the same chain of operations either way.
       for (int p0 = 0; p0 < NP; p0 += kG) {
         hn::Vec<decltype(d8)> w[kG][8];
         hn::Vec<decltype(df)> ws[kG][kNv ? 2 : 1];
@@ -1011,7 +1012,7 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
           }
           for (int v = 0; v < 4; ++v) {
             const auto raw = hn::LoadU(d8, c + 64 * v + s);
-  #if HWY_TARGET == HWY_AVX3_DL
+#if HWY_TARGET == HWY_AVX3_DL
             if constexpr (F != common::WeightFormat::kQ4_0) {
               if constexpr (hn::MaxLanes(d8) == 64) {
                 // fp4 codes through vpermb over kFp4Lut repeated 4 times, which reads only the
@@ -1025,7 +1026,7 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
                 continue;
               }
             }
-  #endif
+#endif
             w[p][2 * v] = hn::And(raw, mask);
             w[p][2 * v + 1] = hn::And(hn::ShiftRight<4>(raw), mask);
             if constexpr (F != common::WeightFormat::kQ4_0) {
