@@ -271,6 +271,26 @@ Routings MakeRoutings(int num_experts, int T, std::mt19937_64& rng) {
   return r;
 }
 
+// Balanced routing (--ab cases bal:<format>/<E>/<T>): every expert has exactly 8T / E routes
+// (E must divide 8T), under a fresh random relabelling of the experts each step: token t takes
+// experts perm[(8t + j) mod E], j < 8. Set against the uniform routing of the same T, it shows
+// what the spread of routes per expert costs.
+Routings MakeBalancedRoutings(int num_experts, int T, std::mt19937_64& rng) {
+  Routings r;
+  r.ids.resize(Routings::kCount);
+  r.unique.resize(Routings::kCount);
+  std::vector<int> perm(num_experts);
+  for (int s = 0; s < Routings::kCount; ++s) {
+    for (int e = 0; e < num_experts; ++e) perm[e] = e;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int t = 0; t < T; ++t) {
+      for (int j = 0; j < kTopK; ++j) r.ids[s].push_back(perm[(kTopK * t + j) % num_experts]);
+    }
+    r.unique[s] = std::min(num_experts, kTopK * T);
+  }
+  return r;
+}
+
 // Equal routing weights and x drawn from N(0, 1) for T tokens of top_k routes, and y to match.
 struct StepInputs {
   std::vector<float> w, x, y;
@@ -647,7 +667,8 @@ void RegisterAll() {
 // 10% and more between processes, more than most tuning effects).
 //
 //   --ab=<format>/<E>/<T>/<dedup>[,...]  cases (names as in BM_CpuMoe), or trace:<format>/<T>
-//       for BM_CpuMoeTrace's routing (with --trace; E=128, dedup on)
+//       for BM_CpuMoeTrace's routing (with --trace; E=128, dedup on), or bal:<format>/<E>/<T>
+//       for balanced routing (8T / E routes for every expert, dedup on)
 //   --variant=<name>:<ENV>=<value>[;<ENV>=<value>...]   (repeatable; an empty list = defaults)
 //   --ab_reps=<n> (default 9)
 // Every rep runs each variant for about 0.15 s (whole steps), in an order rotated by one per rep,
@@ -688,10 +709,12 @@ int RunAb() {
     for (const auto& kv : v.env) all_vars.push_back(kv.first);
   }
   for (const std::string& c : g_ab_cases) {
-    // "trace:<format>/<T>": BM_CpuMoeTrace's routing, with dedup.
+    // "trace:<format>/<T>": BM_CpuMoeTrace's routing, with dedup; "bal:<format>/<E>/<T>":
+    // balanced routing (MakeBalancedRoutings), with dedup.
     const bool from_trace = absl::StartsWith(c, "trace:");
-    const std::vector<std::string> parts =
-        absl::StrSplit(from_trace ? c.substr(6) + "/1" : c, '/');
+    const bool balanced = absl::StartsWith(c, "bal:");
+    const std::vector<std::string> parts = absl::StrSplit(
+        from_trace ? c.substr(6) + "/1" : balanced ? c.substr(4) + "/1" : c, '/');
     WeightFormat format;
     int E = kTraceExperts, T = 0, dedup = 0;
     bool ok = from_trace
@@ -699,7 +722,8 @@ int RunAb() {
                   : parts.size() == 4 && absl::SimpleAtoi(parts[1], &E) &&
                         absl::SimpleAtoi(parts[2], &T) && absl::SimpleAtoi(parts[3], &dedup) &&
                         E > 0 && T > 0;
-    if (from_trace) dedup = 1;
+    if (from_trace || balanced) dedup = 1;
+    if (ok && balanced && (kTopK * T) % E != 0) ok = false;
     if (ok) {
       ok = false;
       for (WeightFormat f : kFormats) {
@@ -711,8 +735,8 @@ int RunAb() {
     }
     if (!ok) {
       std::fprintf(stderr,
-                   "bad --ab case '%s' (want format/E/T/dedup, e.g. q4_0/256/1/1, or "
-                   "trace:format/T with --trace)\n",
+                   "bad --ab case '%s' (want format/E/T/dedup, e.g. q4_0/256/1/1, "
+                   "trace:format/T with --trace, or bal:format/E/T with E dividing 8T)\n",
                    c.c_str());
       return 2;
     }
@@ -728,6 +752,8 @@ int RunAb() {
       }
       top_k = t->trace.k;
       routings = MakeTraceRoutings(*t, T, rng);
+    } else if (balanced) {
+      routings = MakeBalancedRoutings(E, T, rng);
     } else {
       routings = MakeRoutings(E, T, rng);
     }
@@ -830,7 +856,8 @@ constexpr char kUsage[] =
     "  --layout=panels|row   q4_0, mxfp4, nvfp4 banks in panels (default; PackPanels) or row-major\n"
     "                        (env MOE_BENCH_LAYOUT, which --variant can set for --ab)\n"
     "  --trace=<.npy>        also register BM_CpuMoeTrace/<format>/<T> on that routing trace\n"
-    "  --ab=<cases>          side-by-side mode: format/E/T/dedup or trace:format/T, comma-separated\n"
+    "  --ab=<cases>          side-by-side mode: format/E/T/dedup, trace:format/T or bal:format/E/T\n"
+    "                        (every expert 8T/E routes), comma-separated\n"
     "  --variant=<name>:<ENV>=<v>[;<ENV>=<v>]  a variant of the library's env switches (--ab)\n"
     "  --ab_reps=<n>         rounds of the side-by-side mode (default 9)\n"
     "Families: BM_CpuMoe/<format>/<E>/<T>/<dedup>, BM_CpuMoeSpeedup/<format>/<E>/<T>,\n"
