@@ -180,7 +180,7 @@ struct Options {
   // Rows per work item: pass 1 gate rows (each with its up row) per item, any value in
   // [1, kMaxRowsPerItem]; pass 2 H rows of one expert per item, even (a block's rows are dotted
   // in pairs, row p with row p + rows/2) in [2, kMaxRowsPerItem].
-  static constexpr int kMaxRowsPerItem = 256;
+  static constexpr int kMaxRowsPerItem = 512;
   int pass1_rows = kAuto;
   int pass2_rows = kAuto;
   // Weight rows each core reads at once (2 or 4): in pass 1 a gate row with its up row, or two

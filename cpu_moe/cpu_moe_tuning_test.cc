@@ -159,9 +159,9 @@ TEST(CpuMoeTuningTest, BadValuesAreInvalidArgument) {
   };
   for (const Bad& b : {Bad{-64, 16, 16, "prefetch_bytes"}, Bad{100, 16, 16, "prefetch_bytes"},
                        Bad{8192 + 64, 16, 16, "prefetch_bytes"}, Bad{1024, 0, 16, "pass1_rows"},
-                       Bad{1024, -2, 16, "pass1_rows"}, Bad{1024, 257, 16, "pass1_rows"},
+                       Bad{1024, -2, 16, "pass1_rows"}, Bad{1024, 513, 16, "pass1_rows"},
                        Bad{1024, 16, 0, "pass2_rows"}, Bad{1024, 16, 15, "pass2_rows"},
-                       Bad{1024, 16, 258, "pass2_rows"}}) {
+                       Bad{1024, 16, 514, "pass2_rows"}}) {
     Options o;
     o.prefetch_bytes = b.prefetch;
     o.pass1_rows = b.pass1;
