@@ -441,9 +441,6 @@ struct MatrixRef {
   size_t cols;
   PfDist prefetch;  // how far ahead the row kernels prefetch; see above
   bool block_lane;  // quantized rows start in the block-lane layout (BlockLaneBytes)
-  // Panel banks: blocks per group of codes followed by their scales' 64-byte line (64 /
-  // PanelScaleBytes, see Layout::kPanels); 0 for other banks.
-  size_t panel_group = 0;
 };
 
 // sum_m u[m] * x[m] over groups of four bytes, added to the int32 lanes of acc. u is unsigned
@@ -969,12 +966,10 @@ HWY_INLINE hn::Vec<DF> PanelScales(DF df, const uint8_t* HWY_RESTRICT p) {
 // Vectors narrower than 64 bytes take the panel's rows a slice at a time (rows [s/4, s/4 + N/4)
 // for byte offset s). Panels go two at a time within each block (NP = 4: the four streams of
 // Options::row_streams, whose 32 decoded vectors would not fit in the registers with the sums);
-// each panel's sums are the same chain of operations whatever NP is. Panel panels[p] belongs to
-// a stream of consecutive panels that ends before panel ends[p] (the work item's), which bounds
-// the prefetches.
+// each panel's sums are the same chain of operations whatever NP is.
 template <common::WeightFormat F, int NP, int NT>
-HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, const size_t* ends,
-                         const ActView* acts, const float* scale, float* const* out) {
+HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, const ActView* acts,
+                         const float* scale, float* const* out) {
   const hn::CappedTag<uint8_t, 64> d8;
   const hn::Repartition<int8_t, decltype(d8)> di8;
   const hn::Repartition<int32_t, decltype(d8)> di32;
@@ -985,52 +980,34 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
   constexpr bool kNv = F == common::WeightFormat::kNvfp4;
   constexpr int kG = NP < 2 ? NP : 2;
   static_assert(NP % kG == 0, "panels go two at a time");
-  // Prefetches, per group of blocks of each panel, m.prefetch.l1 bytes ahead into L1 and (when
-  // not 0) m.prefetch.l2 bytes ahead into L2.
+  // Prefetches, per block of each panel, m.prefetch.l1 bytes ahead into L1 and (when not 0)
+  // m.prefetch.l2 bytes ahead into L2, in the codes and (1/8 as far) in the scales.
   const size_t pf = m.prefetch.l1, pf2 = m.prefetch.l2;
   const auto mask = hn::Set(d8, 0x0F);
   const auto lut = hn::LoadDup128(d8, kFp4Lut);
   const uint8_t* codes[NP];
-  const uint8_t* limit[NP];  // the end of each panel's stream
   for (int p = 0; p < NP; ++p) {
     codes[p] = static_cast<const uint8_t*>(m.weights) +
                (e * (m.rows / 16) + panels[p]) * PanelBytes<F>(k);
-    limit[p] = static_cast<const uint8_t*>(m.weights) +
-               (e * (m.rows / 16) + ends[p]) * PanelBytes<F>(k);
   }
-  // Blocks go in groups of grp, each group's codes followed by its scales (Layout::kPanels):
-  // block b of group [g0, g1) has its codes at 256 b + kSb g0 and its scales at
-  // (256 + kSb) g0 + 256 (g1 - g0) + kSb (b - g0) in its panel.
-  const size_t grp = m.panel_group;
   for (size_t s = 0; s < 64; s += N8) {
     hn::Vec<decltype(df)> acc[NP][NT];
     for (int p = 0; p < NP; ++p) {
       for (int t = 0; t < NT; ++t) acc[p][t] = hn::Zero(df);
     }
-    size_t g0 = 0, g1 = 0;  // the current group of blocks
     for (size_t b = 0; b < nb; ++b) {
-      const bool group_start = b == g1;
-      if (group_start) {
-        g0 = b;
-        g1 = std::min(nb, b + grp);
-      }
       for (int p0 = 0; p0 < NP; p0 += kG) {
         hn::Vec<decltype(d8)> w[kG][8];
         hn::Vec<decltype(df)> ws[kG][kNv ? 2 : 1];
         for (int p = 0; p < kG; ++p) {
-          const uint8_t* c = codes[p0 + p] + 256 * b + kSb * g0;
-          const uint8_t* sc = codes[p0 + p] + (256 + kSb) * g0 + 256 * (g1 - g0) + kSb * (b - g0);
-          if (pf != 0 && s == 0 && group_start) {
-            // Each panel stream is sequential: at a group's start, its bytes pf (pf2) ahead,
-            // on into the stream's next panels but not past its end (another item's).
-            const uint8_t* lim = limit[p0 + p];
-            const uint8_t* a1 = c + pf;
-            const uint8_t* e1 = std::min(a1 + (256 + kSb) * grp, lim);
-            for (; a1 < e1; a1 += 64) Pf(a1);
+          const uint8_t* c = codes[p0 + p] + 256 * b;
+          const uint8_t* sc = codes[p0 + p] + 256 * nb + kSb * b;
+          if (pf != 0 && s == 0) {
+            for (size_t o = 0; o < 256; o += 64) Pf(c + pf + o);
+            Pf(sc + pf / 8);
             if (pf2 != 0) {
-              const uint8_t* a2 = c + pf2;
-              const uint8_t* e2 = std::min(a2 + (256 + kSb) * grp, lim);
-              for (; a2 < e2; a2 += 64) PfL2(a2);
+              for (size_t o = 0; o < 256; o += 64) PfL2(c + pf2 + o);
+              PfL2(sc + pf2 / 8);
             }
           }
           for (int v = 0; v < 4; ++v) {
@@ -1107,8 +1084,7 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
 // streams of experts with few routes, Options::row_streams).
 template <common::WeightFormat F, int NP>
 HWY_INLINE void PanelDotMany(const MatrixRef& m, size_t e, const size_t* panels,
-                             const size_t* ends, const ActView* acts, const float* scale, int n,
-                             float* const* out) {
+                             const ActView* acts, const float* scale, int n, float* const* out) {
   constexpr int kT = 8 / NP;
   float* o[NP * kT];
   for (int t = 0; t < n; t += kT) {
@@ -1116,17 +1092,15 @@ HWY_INLINE void PanelDotMany(const MatrixRef& m, size_t e, const size_t* panels,
     for (int p = 0; p < NP; ++p) {
       for (int i = 0; i < nt; ++i) o[p * nt + i] = out[p * n + t + i];
     }
-    const ActView* const a = acts + t;
-    const float* const sc = scale + t;
     switch (nt) {
-      case 8: if constexpr (kT >= 8) PanelDot<F, NP, 8>(m, e, panels, ends, a, sc, o); break;
-      case 7: if constexpr (kT >= 8) PanelDot<F, NP, 7>(m, e, panels, ends, a, sc, o); break;
-      case 6: if constexpr (kT >= 8) PanelDot<F, NP, 6>(m, e, panels, ends, a, sc, o); break;
-      case 5: if constexpr (kT >= 8) PanelDot<F, NP, 5>(m, e, panels, ends, a, sc, o); break;
-      case 4: if constexpr (kT >= 4) PanelDot<F, NP, 4>(m, e, panels, ends, a, sc, o); break;
-      case 3: if constexpr (kT >= 4) PanelDot<F, NP, 3>(m, e, panels, ends, a, sc, o); break;
-      case 2: PanelDot<F, NP, 2>(m, e, panels, ends, a, sc, o); break;
-      default: PanelDot<F, NP, 1>(m, e, panels, ends, a, sc, o); break;
+      case 8: if constexpr (kT >= 8) PanelDot<F, NP, 8>(m, e, panels, acts + t, scale + t, o); break;
+      case 7: if constexpr (kT >= 8) PanelDot<F, NP, 7>(m, e, panels, acts + t, scale + t, o); break;
+      case 6: if constexpr (kT >= 8) PanelDot<F, NP, 6>(m, e, panels, acts + t, scale + t, o); break;
+      case 5: if constexpr (kT >= 8) PanelDot<F, NP, 5>(m, e, panels, acts + t, scale + t, o); break;
+      case 4: if constexpr (kT >= 4) PanelDot<F, NP, 4>(m, e, panels, acts + t, scale + t, o); break;
+      case 3: if constexpr (kT >= 4) PanelDot<F, NP, 3>(m, e, panels, acts + t, scale + t, o); break;
+      case 2: PanelDot<F, NP, 2>(m, e, panels, acts + t, scale + t, o); break;
+      default: PanelDot<F, NP, 1>(m, e, panels, acts + t, scale + t, o); break;
     }
   }
 }
@@ -1145,7 +1119,8 @@ template <common::WeightFormat F>
 HWY_INLINE void PrefetchPanel(const MatrixRef& m, size_t e, size_t panel) {
   const uint8_t* c =
       static_cast<const uint8_t*>(m.weights) + (e * (m.rows / 16) + panel) * PanelBytes<F>(m.cols);
-  for (size_t o = 0; o < m.prefetch.l1 && o < PanelBytes<F>(m.cols); o += 64) Pf(c + o);
+  for (size_t o = 0; o < m.prefetch.l1 && o < 256 * (m.cols / 32); o += 64) Pf(c + o);
+  Pf(c + 256 * (m.cols / 32));
 }
 
 template <int NR, int NT, class DF>
@@ -2015,7 +1990,6 @@ void ForwardFormat(ForwardPlan& plan) {
   const int workers = pool.num_workers() + 1;
   // Panel banks (Layout::kPanels): items take whole 16-row panels (the row counts rounded up).
   const bool panels = IsQuant<F>() && bank.layout == Layout::kPanels;
-  const size_t panel_group = panels ? 64 / PanelScaleBytes<F>() : 0;
   auto item_rows = [panels](int rows) {
     return static_cast<size_t>(panels ? std::min(Options::kMaxRowsPerItem, (rows + 15) / 16 * 16)
                                       : rows);
@@ -2048,9 +2022,9 @@ void ForwardFormat(ForwardPlan& plan) {
   };
 
   const MatrixRef gate_up{bank.gate_up_weights, bank.gate_up_scales, bank.gate_up_global_scales,
-                          2 * I, H, prefetch, opt.block_lane, panel_group};
+                          2 * I, H, prefetch, opt.block_lane};
   const MatrixRef down{bank.down_weights, bank.down_scales, bank.down_global_scales, H, I,
-                       prefetch, opt.block_lane, panel_group};
+                       prefetch, opt.block_lane};
 
   using Clock = std::chrono::steady_clock;
   auto lap = [&plan, t = Clock::now()](int phase) mutable {
@@ -2221,24 +2195,21 @@ void ForwardFormat(ForwardPlan& plan) {
           for (size_t r = r0; r < r0 + panel_half; r += 16) {
             const size_t pn[4] = {r / 16, (I + r) / 16, (r + panel_half) / 16,
                                   (I + r + panel_half) / 16};
-            const size_t pe[4] = {(r0 + panel_half) / 16, (I + r0 + panel_half) / 16,
-                                  (r0 + 2 * panel_half) / 16, (I + r0 + 2 * panel_half) / 16};
             for (int i = 0; i < nc; ++i) {
               o[i] = hrow[i] + r;
               o[nc + i] = urow[i] + r;
               o[2 * nc + i] = hrow[i] + r + panel_half;
               o[3 * nc + i] = urow[i] + r + panel_half;
             }
-            PanelDotMany<F, 4>(gate_up, g.expert, pn, pe, acts, post, nc, o);
+            PanelDotMany<F, 4>(gate_up, g.expert, pn, acts, post, nc, o);
           }
           for (size_t r = r0 + 2 * panel_half; r < r1; r += 16) {
             const size_t pn[2] = {r / 16, (I + r) / 16};
-            const size_t pe[2] = {(r1 + 15) / 16, (I + r1 + 15) / 16};
             for (int i = 0; i < nc; ++i) {
               o[i] = hrow[i] + r;
               o[nc + i] = urow[i] + r;
             }
-            PanelDotMany<F, 2>(gate_up, g.expert, pn, pe, acts, post, nc, o);
+            PanelDotMany<F, 2>(gate_up, g.expert, pn, acts, post, nc, o);
           }
         }
       }
@@ -2360,26 +2331,23 @@ void ForwardFormat(ForwardPlan& plan) {
           float* o[256];
           for (size_t p = 0; p < pq; ++p) {
             const size_t pn[4] = {ph0 + p, ph0 + pq + p, ph0 + 2 * pq + p, ph0 + 3 * pq + p};
-            const size_t pe[4] = {ph0 + pq, ph0 + 2 * pq, ph0 + 3 * pq, ph0 + 4 * pq};
             for (int j = 0; j < 4; ++j) {
               for (int i = 0; i < nc; ++i) o[j * nc + i] = dst[i] + 16 * pn[j];
             }
-            PanelDotMany<F, 4>(down, g.expert, pn, pe, acts, scale, nc, o);
+            PanelDotMany<F, 4>(down, g.expert, pn, acts, scale, nc, o);
           }
           for (size_t p = 0; p < phalf; ++p) {
             const size_t pn[2] = {pb + p, pb + phalf + p};
-            const size_t pe[2] = {pb + phalf, pb + 2 * phalf};
             for (int i = 0; i < nc; ++i) {
               o[i] = dst[i] + 16 * pn[0];
               o[nc + i] = dst[i] + 16 * pn[1];
             }
-            PanelDotMany<F, 2>(down, g.expert, pn, pe, acts, scale, nc, o);
+            PanelDotMany<F, 2>(down, g.expert, pn, acts, scale, nc, o);
           }
           if ((np - 4 * pq) % 2 != 0) {
             const size_t pn[1] = {ph0 + np - 1};
-            const size_t pe[1] = {ph0 + np};
             for (int i = 0; i < nc; ++i) o[i] = dst[i] + 16 * pn[0];
-            PanelDotMany<F, 1>(down, g.expert, pn, pe, acts, scale, nc, o);
+            PanelDotMany<F, 1>(down, g.expert, pn, acts, scale, nc, o);
           }
         }
       }
