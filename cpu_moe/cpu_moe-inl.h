@@ -980,8 +980,14 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
   constexpr bool kNv = F == common::WeightFormat::kNvfp4;
   constexpr int kG = NP < 2 ? NP : 2;
   static_assert(NP % kG == 0, "panels go two at a time");
+  // Blocks go in groups of kGrp (Layout::kPanels), each group's codes followed by its line of
+  // scales: block b of group [g0, g0 + n) has its codes at 256 b + kSb g0 and its scales at
+  // (256 + kSb) g0 + 256 n + kSb (b - g0) in its panel. Each panel is one sequential stream.
+  constexpr size_t kGrp = 64 / kSb;
+  static_assert((kGrp & (kGrp - 1)) == 0, "groups of a power of two blocks");
   // Prefetches, per block of each panel, m.prefetch.l1 bytes ahead into L1 and (when not 0)
-  // m.prefetch.l2 bytes ahead into L2, in the codes and (1/8 as far) in the scales.
+  // m.prefetch.l2 bytes ahead into L2: the 5 lines from the block's codes on, which cover the
+  // block's codes and what follows them (the next block's, or the group's scales).
   const size_t pf = m.prefetch.l1, pf2 = m.prefetch.l2;
   const auto mask = hn::Set(d8, 0x0F);
   const auto lut = hn::LoadDup128(d8, kFp4Lut);
@@ -1000,14 +1006,14 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
         hn::Vec<decltype(d8)> w[kG][8];
         hn::Vec<decltype(df)> ws[kG][kNv ? 2 : 1];
         for (int p = 0; p < kG; ++p) {
-          const uint8_t* c = codes[p0 + p] + 256 * b;
-          const uint8_t* sc = codes[p0 + p] + 256 * nb + kSb * b;
+          const size_t g0 = b & ~(kGrp - 1);
+          const size_t n = std::min(kGrp, nb - g0);
+          const uint8_t* c = codes[p0 + p] + 256 * b + kSb * g0;
+          const uint8_t* sc = codes[p0 + p] + (256 + kSb) * g0 + 256 * n + kSb * (b - g0);
           if (pf != 0 && s == 0) {
-            for (size_t o = 0; o < 256; o += 64) Pf(c + pf + o);
-            Pf(sc + pf / 8);
+            for (size_t o = 0; o < 320; o += 64) Pf(c + pf + o);
             if (pf2 != 0) {
-              for (size_t o = 0; o < 256; o += 64) PfL2(c + pf2 + o);
-              PfL2(sc + pf2 / 8);
+              for (size_t o = 0; o < 320; o += 64) PfL2(c + pf2 + o);
             }
           }
           for (int v = 0; v < 4; ++v) {
@@ -1119,8 +1125,7 @@ template <common::WeightFormat F>
 HWY_INLINE void PrefetchPanel(const MatrixRef& m, size_t e, size_t panel) {
   const uint8_t* c =
       static_cast<const uint8_t*>(m.weights) + (e * (m.rows / 16) + panel) * PanelBytes<F>(m.cols);
-  for (size_t o = 0; o < m.prefetch.l1 && o < 256 * (m.cols / 32); o += 64) Pf(c + o);
-  Pf(c + 256 * (m.cols / 32));
+  for (size_t o = 0; o < m.prefetch.l1 && o < PanelBytes<F>(m.cols); o += 64) Pf(c + o);
 }
 
 template <int NR, int NT, class DF>

@@ -369,12 +369,18 @@ size_t PanelScaleBytes(WeightFormat f) { return f == WeightFormat::kMxfp4 ? 16 :
 void PackMatrixPanels(WeightFormat f, const void* weights, const void* scales, size_t rows,
                       size_t cols, uint8_t* out) {
   const size_t nb = cols / 32, sb = PanelScaleBytes(f);
+  const size_t group = 64 / sb;  // blocks per group of codes and their line of scales
   const auto* q4 = static_cast<const common::BlockQ4_0*>(weights);
   const auto* packed = static_cast<const uint8_t*>(weights);
   const auto* sc = static_cast<const uint8_t*>(scales);
+  // Offsets of block b's codes and scales within a panel.
+  auto codes_at = [&](size_t b) { return b * 256 + (b / group) * group * sb; };
+  auto scales_at = [&](size_t b) {
+    const size_t g0 = b / group * group, n = std::min(group, nb - g0);
+    return codes_at(g0) + n * 256 + (b - g0) * sb;
+  };
   for (size_t p = 0; p < rows / 16; ++p) {
-    uint8_t* codes = out + p * nb * (256 + sb);
-    uint8_t* pscales = codes + nb * 256;
+    uint8_t* const panel = out + p * nb * (256 + sb);
     for (size_t j = 0; j < 16; ++j) {
       const size_t r = 16 * p + j;
       for (size_t b = 0; b < nb; ++b) {
@@ -395,13 +401,13 @@ void PackMatrixPanels(WeightFormat f, const void* weights, const void* scales, s
             code[2 * i + 1] = src[i] >> 4;
           }
         }
-        uint8_t* dst = codes + b * 256 + 4 * j;
+        uint8_t* dst = panel + codes_at(b) + 4 * j;
         for (size_t v = 0; v < 4; ++v) {
           for (size_t i = 0; i < 4; ++i) {
             dst[64 * v + i] = static_cast<uint8_t>(code[8 * v + i] | (code[8 * v + 4 + i] << 4));
           }
         }
-        uint8_t* s = pscales + b * sb;
+        uint8_t* s = panel + scales_at(b);
         if (f == WeightFormat::kQ4_0) {
           std::memcpy(s + 2 * j, &q4[r * nb + b].d, 2);
         } else if (f == WeightFormat::kMxfp4) {

@@ -160,6 +160,8 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
   for (WeightFormat f : kFormats) {
     const HostBank hb = MakeRandomBank(f, kE, kH, kI, 77 + static_cast<int>(f));
     const bool bf16 = HasBf16Dot(f);  // bf16 and fp8: the bf16 dot product variants
+    // The int8 formats' bank in panels (kH / 32 = 15 and kI / 32 = 9 blocks per row: each
+    // panel's last group of blocks is short, for every format).
     std::unique_ptr<PanelBank> panels;
     if (IsQuant(f)) {
       absl::StatusOr<std::unique_ptr<PanelBank>> pb = PackPanels(hb.bank, &pool_);
