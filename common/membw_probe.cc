@@ -18,14 +18,14 @@ int main(int argc, char** argv) {
   std::printf("last-level cache %.1f MiB; buffer %.2f GiB; %d workers; %d reps\n",
               moe::common::LastLevelCacheBytes() / 1048576.0, gib, workers, reps);
   moe::common::DramProbe probe(pool, bytes);
-  // Every pattern's reading per round, then the figure benchmarks use (median of the rounds'
-  // best).
+  // Every pattern's reading per round; then, from reps further rounds, the figure benchmarks use
+  // (the median of those rounds' best).
   for (int r = 0; r < reps; ++r) {
     for (const auto& reading : probe.MeasureEach()) {
       std::printf("round %d: %6.2f GB/s  %s\n", r, reading.gbps, reading.name);
     }
   }
-  std::printf("DRAM read: %.2f GB/s (median of %d rounds' best pattern)\n", probe.Measure(reps),
-              reps);
+  std::printf("DRAM read: %.2f GB/s (median of %d further rounds' best pattern)\n",
+              probe.Measure(reps), reps);
   return 0;
 }
