@@ -143,7 +143,7 @@ def Floors(rows, side_by_side, hot):
     print("| format | E | T | DRAM GB/s | compute floor GB/s | floor / (unique/DRAM) | "
           "measured / max(floor, unique/DRAM) | max speedup / reuse (side by side) |")
     print("|---|---|---|---|---|---|---|---|")
-    out_step, out_speed = [], []
+    out_step, out_speed, relaxed, relaxed_missed = [], [], 0, []
     keys = sorted(set(rows) | set(side_by_side), key=lambda x: (x[0], -x[1], x[2]))
     for (fmt, e, t) in keys:
         if fmt not in hot or t < 8:
@@ -157,6 +157,10 @@ def Floors(rows, side_by_side, hot):
         if on:
             best = on["unique_bytes"] / (min(floor, dram) * 1e9) * 1e3
             measured = f"{on['ms_per_step'] / best:.2f}"
+            if on["ms_per_step"] / best <= 1.15:
+                relaxed += 1
+            else:
+                relaxed_missed.append(f"{fmt}/{e}/{t}: {measured}")
         max_sp = "-"
         if sb:
             unique = sb["on_bw_fraction"] * sb["dram_gbps"] * 1e9 * sb["on_ms"] * 1e-3
@@ -173,6 +177,9 @@ def Floors(rows, side_by_side, hot):
           + (": " + "; ".join(out_step) if out_step else ""))
     print(f"Speedup target out of reach (dedup-off time / max(floor, DRAM time) < 0.9 x reuse): "
           f"{len(out_speed)}" + (": " + "; ".join(out_speed) if out_speed else ""))
+    print(f"Step target held against max(compute floor, DRAM time) instead of the DRAM time alone: "
+          f"{relaxed} of {relaxed + len(relaxed_missed)} cases within 1.15x"
+          + ("; missed: " + "; ".join(relaxed_missed) if relaxed_missed else ""))
 
 
 def Targets(rows, side_by_side):
