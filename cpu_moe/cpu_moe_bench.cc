@@ -926,6 +926,16 @@ int main(int argc, char** argv) {
     }
   }
   argc = out;
+  if (!moe::cpu_moe::g_trace_path.empty()) {
+    // Read it now, so that a wrong path or file stops the run before any case, not as an error
+    // row among the results (the smallest batch of the trace cases: 8 tokens).
+    std::string error;
+    if (moe::cpu_moe::TraceFor(8, &error) == nullptr) {
+      std::fprintf(stderr, "bad --trace=%s: %s\n", moe::cpu_moe::g_trace_path.c_str(),
+                   error.c_str());
+      return 2;
+    }
+  }
   if (!moe::cpu_moe::g_ab_cases.empty()) return moe::cpu_moe::RunAb();
   benchmark::AddCustomContext("cpu_moe_targets",
                               [] {
