@@ -1725,6 +1725,291 @@ HWY_INLINE void Fp8DotRowsBf16(const uint8_t* const* w, const float* const* scal
 }
 #endif
 
+#if HWY_TARGET == HWY_AVX3_DL
+// ---------------------------------------------------------------------------------------------
+// fp8 by AVX512-FP16 FMAs (ForwardPlan::fp8_fp16): experts not through AMX, on CPUs with
+// AVX512-FP16 (Sapphire Rapids on). vdpbf16ps issues about once per two cycles on these cores
+// and the table decode spends two vpermi2b per 64 codes; vfmadd231ph multiplies as many
+// elements per instruction at twice the rate, and e4m3 -> fp16 is three simple instructions
+// per 32 codes: the code in the high byte of a u16 lane (an interleave with zero), an
+// arithmetic shift right by one (sign to bits 15 and 14, exponent and mantissa to bits 13..7)
+// and an AND that clears bit 14. That is the fp16 of value e4m3 / 256, exact for every finite
+// code, subnormals included (fp16 has e4m3's precision and 2^8 of headroom either side); the
+// NaN codes 0x7F / 0xFF come out as +-480 / 256 instead, as in the F16C path of the other
+// targets. The weights of a 64-column chunk come out in the table decode's order (Fp8Pos).
+//
+// fp16 has 11 significant bits and a range of 2^-24 .. 65504, so the activations are scaled
+// before they are rounded to it: for each route and each 128-row scale block rb of the matrix,
+// x'[c] = fp16(x[c] * s[rb][c / 128] * 2^(10 - e)), with 2^(e - 1) <= M < 2^e for
+// M = max over c of |x[c] * s[rb][c / 128]|, so that |x'| < 1024. The block scale rides in the
+// activations (each route's are prepared once per row block, for its 128 rows), and a row's
+// dot is sum x' w' * 2^(e - 2) (w' = w / 256). Each lane of the fp16 accumulators adds 8
+// products (256 columns: |sum| < 8 * 1.75 * 1024 = 14336, far from fp16's 65504) before the
+// 32 lanes are folded to 16 in fp16 and added into fp32 totals. Error against the exact dot,
+// relative to the sum of |terms|: the rounding of x' (2^-11), 8 FMA roundings and the fold
+// (2^-11 of partial sums each): at most 10 * 2^-11 = 0.5%, typically about 1e-4 (random
+// signs). fp8 weights themselves carry about 2^-4.
+#define MOE_FP16_FN __attribute__((target("avx512fp16")))
+
+constexpr size_t kF16FlushCols = 256;  // columns per fp16 accumulation (see above)
+
+// sums[rr][t] = sum over columns of w'[rr] x'[t] (fp16 weights decoded from e4m3 rows w[rr] of
+// `cols` columns, a multiple of 32; activations xh[t] prepared by Fp8F16Prepare).
+template <int NR, int NT>
+MOE_FP16_FN HWY_INLINE void Fp8F16Rows(const uint8_t* const* w, size_t cols, PfDist pf,
+                                       const uint16_t* const* xh,
+                                       float (*HWY_RESTRICT sums)[kTile]) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i keep = _mm512_set1_epi16(static_cast<short>(0xBFFF));
+  __m512 total[NR][NT];
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int t = 0; t < NT; ++t) total[rr][t] = _mm512_setzero_ps();
+  }
+  for (size_t c0 = 0; c0 < cols; c0 += kF16FlushCols) {
+    const size_t c1 = std::min(cols, c0 + kF16FlushCols);
+    __m512h acc[NR][NT];
+    for (int rr = 0; rr < NR; ++rr) {
+      for (int t = 0; t < NT; ++t) acc[rr][t] = _mm512_setzero_ph();
+    }
+    for (size_t c = c0; c < c1; c += 64) {
+      __m512h wv[NR][2];
+      for (int rr = 0; rr < NR; ++rr) {
+        PfAhead(pf, w[rr] + c);
+        // A short last chunk (32 columns): zero codes, +0 weights against zero activations.
+        const __m512i code =
+            c + 64 <= c1 ? _mm512_loadu_si512(w[rr] + c)
+                         : _mm512_zextsi256_si512(
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[rr] + c)));
+        wv[rr][0] = _mm512_castsi512_ph(
+            _mm512_and_si512(_mm512_srai_epi16(_mm512_unpacklo_epi8(zero, code), 1), keep));
+        wv[rr][1] = _mm512_castsi512_ph(
+            _mm512_and_si512(_mm512_srai_epi16(_mm512_unpackhi_epi8(zero, code), 1), keep));
+      }
+      for (int t = 0; t < NT; ++t) {
+        const __m512h x0 = _mm512_castsi512_ph(_mm512_load_si512(xh[t] + c));
+        const __m512h x1 = _mm512_castsi512_ph(_mm512_load_si512(xh[t] + c + 32));
+        for (int rr = 0; rr < NR; ++rr) {
+          acc[rr][t] = _mm512_fmadd_ph(wv[rr][0], x0, acc[rr][t]);
+          acc[rr][t] = _mm512_fmadd_ph(wv[rr][1], x1, acc[rr][t]);
+        }
+      }
+    }
+    for (int rr = 0; rr < NR; ++rr) {
+      for (int t = 0; t < NT; ++t) {
+        const __m256h lo = _mm512_castph512_ph256(acc[rr][t]);
+        const __m256h hi = _mm256_castsi256_ph(
+            _mm512_extracti64x4_epi64(_mm512_castph_si512(acc[rr][t]), 1));
+        total[rr][t] = _mm512_add_ps(total[rr][t], _mm512_cvtxph_ps(_mm256_add_ph(lo, hi)));
+      }
+    }
+  }
+  const hn::ScalableTag<float> df;
+  hn::Vec<decltype(df)> v[NR * NT];
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int t = 0; t < NT; ++t) v[rr * NT + t] = hn::Vec<decltype(df)>{total[rr][t]};
+  }
+  float part[NR][kTile] = {};
+  AddLaneSums(df, v, NR, NT, part);
+  for (int rr = 0; rr < NR; ++rr) {
+    for (int t = 0; t < NT; ++t) sums[rr][t] = part[rr][t];
+  }
+}
+
+// xmax[b] = max |x[c]| over the 128-column block b of x[k] (NaN where the block holds one).
+HWY_INLINE void BlockAbsMax(const float* HWY_RESTRICT x, size_t k, float* HWY_RESTRICT xmax) {
+  for (size_t c0 = 0, b = 0; c0 < k; c0 += common::kFp8BlockSize, ++b) {
+    const size_t n = std::min<size_t>(common::kFp8BlockSize, k - c0);
+    __m512 m = _mm512_setzero_ps();
+    bool nan = false;
+    for (size_t j = 0; j < n; j += 16) {
+      const __mmask16 mk = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __m512 v = _mm512_abs_ps(_mm512_maskz_loadu_ps(mk, x + c0 + j));
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+      m = _mm512_max_ps(m, v);
+    }
+    xmax[b] = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(m);
+  }
+}
+
+// Fills xh[0, 64 * ceil(k / 64)) (fp16 bits, the table decode's order per 64-column chunk,
+// zero past k) with x[c] * srow[c / 128] * 2^(10 - e) (see above; xmax from BlockAbsMax) and
+// returns e: the row dots times 2^(e - 2) are the dots of x with the e4m3 rows times their
+// block scales. Where M is 0, NaN or infinite, e = 10 (x' = x * s, so NaN and inf reach the
+// outputs as they would in fp32).
+MOE_FP16_FN HWY_INLINE int Fp8F16Prepare(const float* HWY_RESTRICT x, const float* xmax,
+                                          const float* srow, size_t k,
+                                          uint16_t* HWY_RESTRICT xh) {
+  const size_t bcols = (k + common::kFp8BlockSize - 1) / common::kFp8BlockSize;
+  float mx = 0.0f;
+  bool special = false;
+  for (size_t b = 0; b < bcols; ++b) {
+    const float v = xmax[b] * std::fabs(srow[b]);
+    special |= !(v <= std::numeric_limits<float>::max());  // NaN or inf
+    mx = std::max(mx, v);
+  }
+  int e = 10;
+  if (!special && mx > 0.0f) std::frexp(mx, &e);
+  // Per block: s * 2^(10 - e), in double (2^(10 - e) alone can exceed float's range when M is
+  // tiny), clamped to float's range: where that clamps, the block's terms are below 2^-100 of
+  // the largest and count for nothing.
+  for (size_t c0 = 0, b = 0; c0 < k; c0 += common::kFp8BlockSize, ++b) {
+    // s * 2^(10 - e), in double (2^(10 - e) alone can exceed float's range when M is tiny),
+    // clamped to float's range: where that clamps, the block's terms are below 2^-100 of the
+    // largest and count for nothing.
+    const double lim = std::numeric_limits<float>::max();
+    const __m512 f = _mm512_set1_ps(static_cast<float>(
+        std::max(-lim, std::min(lim, std::ldexp(static_cast<double>(srow[b]), 10 - e)))));
+    for (size_t c = c0; c < std::min(k, c0 + common::kFp8BlockSize); c += 64) {
+      __m256i y[4];
+      for (size_t a = 0; a < 4; ++a) {
+        const size_t j = c + 16 * a;
+        const size_t n = j < k ? std::min<size_t>(16, k - j) : 0;
+        const __mmask16 mk = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+        y[a] = _mm256_castph_si256(_mm512_cvtxps_ph(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, x + j), f)));
+      }
+      // y[a] holds columns 16a .. 16a + 15: its low 8 go to positions 8a.., its high 8 to
+      // 32 + 8a.. (Fp8Pos).
+      const __m512i z01 = _mm512_inserti64x4(_mm512_castsi256_si512(y[0]), y[1], 1);
+      const __m512i z23 = _mm512_inserti64x4(_mm512_castsi256_si512(y[2]), y[3], 1);
+      _mm512_store_si512(xh + c, _mm512_shuffle_i64x2(z01, z23, _MM_SHUFFLE(2, 0, 2, 0)));
+      _mm512_store_si512(xh + c + 32, _mm512_shuffle_i64x2(z01, z23, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+  }
+  return e;
+}
+
+// out = v * 2^p: a multiplication where 2^p is a normal float (always, but for activations
+// below 2^-120), else ldexp.
+struct Pow2 {
+  float f = 1.0f;
+  int p = 0;
+  bool normal = true;
+  Pow2() = default;
+  explicit Pow2(int p_) : p(p_), normal(p_ >= -126 && p_ <= 127) {
+    if (normal) f = std::ldexp(1.0f, p_);
+  }
+  HWY_INLINE float Apply(float v) const { return normal ? v * f : std::ldexp(v, p); }
+};
+
+// Rows [a, b) of matrix m of expert e (all in one 128-row scale block) against the nc prepared
+// activations xh: store(row, i, dot) with the dot before its 2^(e - 2). Rows p and p + n/2
+// together (two weight streams, as the other kernels read them; an odd last row alone), the
+// routes 4 at a time.
+// Rows rows[0, NR) of matrix m of expert e against the nc prepared activations xh, 4 routes at
+// a time: store(row, i, dot), the dot before its 2^(e - 2).
+template <int NR, class Store>
+MOE_FP16_FN HWY_INLINE void Fp8F16Tiles(const MatrixRef& m, size_t e, const size_t* rows,
+                                        const uint16_t* const* xh, int nc, const Store& store) {
+  const size_t k = m.cols;
+  const uint8_t* w[NR];
+  for (int rr = 0; rr < NR; ++rr) {
+    w[rr] = static_cast<const uint8_t*>(m.weights) + (e * m.rows + rows[rr]) * k;
+  }
+  float sums[NR][kTile];
+  for (int t = 0; t < nc; t += 4) {
+    const int nt = std::min(4, nc - t);
+    switch (nt) {
+      case 4: Fp8F16Rows<NR, 4>(w, k, m.prefetch, xh + t, sums); break;
+      case 3: Fp8F16Rows<NR, 3>(w, k, m.prefetch, xh + t, sums); break;
+      case 2: Fp8F16Rows<NR, 2>(w, k, m.prefetch, xh + t, sums); break;
+      default: Fp8F16Rows<NR, 1>(w, k, m.prefetch, xh + t, sums); break;
+    }
+    for (int rr = 0; rr < NR; ++rr) {
+      for (int i = 0; i < nt; ++i) store(rows[rr], t + i, sums[rr][i]);
+    }
+  }
+}
+
+// Rows [a, b) of matrix m of expert e (all in one 128-row scale block) against the nc prepared
+// activations xh: rows p and p + n/2 together (two weight streams, as the other kernels read
+// them; an odd last row alone).
+template <class Store>
+MOE_FP16_FN HWY_INLINE void Fp8F16RowRange(const MatrixRef& m, size_t e, size_t a, size_t b,
+                                           const uint16_t* const* xh, int nc,
+                                           const Store& store) {
+  const size_t half = (b - a) / 2;
+  for (size_t p = 0; p < half; ++p) {
+    const size_t rows[2] = {a + p, a + half + p};
+    Fp8F16Tiles<2>(m, e, rows, xh, nc, store);
+  }
+  if ((b - a) % 2 != 0) {
+    const size_t rows[1] = {b - 1};
+    Fp8F16Tiles<1>(m, e, rows, xh, nc, store);
+  }
+}
+
+// The fp16 path's per-worker scratch: nc prepared activation vectors of kp u16 and nc x bcols
+// block maxima.
+struct F16Scratch {
+  uint16_t* xh[64];
+  float* xmax;
+  F16Scratch(int nc, size_t kp, size_t bcols) {
+    static thread_local common::AlignedBuffer<uint8_t> buf;
+    const size_t vec = kp * sizeof(uint16_t);  // a multiple of 128 bytes
+    const size_t need = nc * vec + nc * bcols * sizeof(float);
+    if (buf.size() < need) buf = common::AlignedBuffer<uint8_t>(need);
+    for (int i = 0; i < nc; ++i) xh[i] = reinterpret_cast<uint16_t*>(buf.data() + i * vec);
+    xmax = reinterpret_cast<float*>(buf.data() + nc * vec);
+  }
+};
+
+// Pass 1 through fp16: rows [r0, r1) of the gate half (rows r) and of the up half (rows I + r)
+// of m (gate_up, expert e) against the nc (<= 64) routes' x rows x[i] (fp32, m.cols long):
+// hrow[i][r] = the gate dot, urow[i][r] = the up dot.
+MOE_FP16_FN HWY_NOINLINE void Fp8F16Pass1(const MatrixRef& m, size_t e, size_t I, size_t r0,
+                                          size_t r1, const float* const* x, int nc,
+                                          float* const* hrow, float* const* urow) {
+  constexpr size_t kB = common::kFp8BlockSize;
+  const size_t k = m.cols, bcols = (k + kB - 1) / kB, brows = (m.rows + kB - 1) / kB;
+  F16Scratch s(nc, (k + 63) / 64 * 64, bcols);
+  for (int i = 0; i < nc; ++i) BlockAbsMax(x[i], k, s.xmax + i * bcols);
+  const float* scales = static_cast<const float*>(m.scales) + e * brows * bcols;
+  Pow2 post[64];
+  for (size_t a = r0; a < r1;) {
+    // Rows where both the gate's and the up half's scale block stay the same.
+    const size_t b = std::min({r1, (a / kB + 1) * kB, ((I + a) / kB + 1) * kB - I});
+    for (int set = 0; set < 2; ++set) {
+      const size_t row0 = set == 0 ? 0 : I;
+      const size_t rb = (row0 + a) / kB;
+      for (int i = 0; i < nc; ++i) {
+        post[i] =
+            Pow2(Fp8F16Prepare(x[i], s.xmax + i * bcols, scales + rb * bcols, k, s.xh[i]) - 2);
+      }
+      float* const* out = set == 0 ? hrow : urow;
+      Fp8F16RowRange(m, e, row0 + a, row0 + b, s.xh, nc, [&](size_t row, int i, float v) {
+        out[i][row - row0] = post[i].Apply(v);
+      });
+    }
+    a = b;
+  }
+}
+
+// Pass 2 through fp16: rows [h0, h1) of m (down, expert e) against the nc (<= 64) routes'
+// activated h rows hin[i] (fp32, m.cols long): dst[i][r] = wt[i] * the dot of row r.
+MOE_FP16_FN HWY_NOINLINE void Fp8F16Pass2(const MatrixRef& m, size_t e, size_t h0, size_t h1,
+                                          const float* const* hin, const float* wt, int nc,
+                                          float* const* dst) {
+  constexpr size_t kB = common::kFp8BlockSize;
+  const size_t k = m.cols, bcols = (k + kB - 1) / kB, brows = (m.rows + kB - 1) / kB;
+  F16Scratch s(nc, (k + 63) / 64 * 64, bcols);
+  for (int i = 0; i < nc; ++i) BlockAbsMax(hin[i], k, s.xmax + i * bcols);
+  const float* scales = static_cast<const float*>(m.scales) + e * brows * bcols;
+  Pow2 post[64];
+  for (size_t a = h0; a < h1;) {
+    const size_t b = std::min(h1, (a / kB + 1) * kB);
+    for (int i = 0; i < nc; ++i) {
+      post[i] = Pow2(
+          Fp8F16Prepare(hin[i], s.xmax + i * bcols, scales + (a / kB) * bcols, k, s.xh[i]) - 2);
+    }
+    Fp8F16RowRange(m, e, a, b, s.xh, nc, [&](size_t row, int i, float v) {
+      dst[i][row] = wt[i] * post[i].Apply(v);
+    });
+    a = b;
+  }
+}
+#undef MOE_FP16_FN
+#endif
+
 // AVX3_DL: the table decode above, 64 columns at a time; the weights are the e4m3 values
 // themselves, so the block scale goes on as stored. Other targets: fp8 e4m3 -> f32 through the
 // f16 bit pattern: sign to bit 15, exponent and mantissa to bits 13..7 gives an f16 of value
@@ -1891,15 +2176,20 @@ HWY_INLINE void ApplyActivation(const Options& opt, float* HWY_RESTRICT g, float
   const bool oai = opt.activation == Activation::kSwiGluOai;
   const auto limit = hn::Set(df, opt.swiglu_limit);
   const auto alpha = hn::Set(df, opt.swiglu_alpha);
+  // Highway's Exp is valid up to +104 only (beyond, its exponent bits wrap and it returns
+  // garbage): its argument is capped at 88, where exp is 1.7e38 and the quotient below is
+  // |g| / 1.7e38, as good as the exact g e^g (< 1e-36 |g|) against any output's scale.
+  const auto cap = hn::Set(df, 88.0f);
   auto act = [&](hn::Vec<decltype(df)> gv, hn::Vec<decltype(df)> uv) {
     if (!oai) {
       // silu(g) * u = g / (1 + exp(-g)) * u
-      return hn::Mul(hn::Div(gv, hn::Add(one, hn::Exp(df, hn::Neg(gv)))), uv);
+      return hn::Mul(hn::Div(gv, hn::Add(one, hn::Exp(df, hn::Min(hn::Neg(gv), cap)))), uv);
     }
     const auto gc = hn::Min(gv, limit);
     const auto uc = hn::Min(hn::Max(uv, hn::Neg(limit)), limit);
-    return hn::Mul(hn::Div(gc, hn::Add(one, hn::Exp(df, hn::Neg(hn::Mul(alpha, gc))))),
-                   hn::Add(uc, one));
+    return hn::Mul(
+        hn::Div(gc, hn::Add(one, hn::Exp(df, hn::Min(hn::Neg(hn::Mul(alpha, gc)), cap)))),
+        hn::Add(uc, one));
   };
   size_t j = 0;
   for (; j + N <= n; j += N) {
@@ -1941,7 +2231,7 @@ constexpr bool kFuseRows = true;
 // freed at the end of their call. The workers of the call's pool use the caller's buffers.
 class CallScratch {
  public:
-  enum Slot { kXActs, kHActs, kH, kU, kPart, kXFloat, kAmxX, kAmxH, kSync, kNumSlots };
+  enum Slot { kXActs, kHActs, kH, kU, kPart, kXFloat, kX32, kAmxX, kAmxH, kSync, kNumSlots };
   static constexpr size_t kKeepBytes = size_t{16} << 20;
 
   static CallScratch& ForThisThread() {
@@ -2025,6 +2315,11 @@ void ForwardFormat(ForwardPlan& plan) {
       return plan.UsesAmx(routes);
     }
   };
+  // fp8 through AVX512-FP16 for the experts that do not go through AMX (ForwardPlan::fp8_fp16,
+  // set only for fp8 banks on this target with bf16_dot_product). Its kernels take the fp32 x
+  // and h rows themselves and prepare their activations per item (Fp8F16Pass1 / 2), so the
+  // activation sets below serve only AMX's packing.
+  const bool f16 = kBf16Dot && F == common::WeightFormat::kFp8Block && plan.fp8_fp16;
 
   const MatrixRef gate_up{bank.gate_up_weights, bank.gate_up_scales, bank.gate_up_global_scales,
                           2 * I, H, prefetch, opt.block_lane};
@@ -2065,6 +2360,13 @@ void ForwardFormat(ForwardPlan& plan) {
   const size_t nx = NT * x_chunks;
   float* const x_float =
       plan.x_dtype == DType::kBf16 ? scratch.Get<float>(CallScratch::kXFloat, workers * H) : nullptr;
+  // fp16 path with bf16 x: each active token's row in fp32, kept for the pass-1 items.
+  float* const x32 = f16 && plan.x_dtype == DType::kBf16
+                         ? scratch.Get<float>(CallScratch::kX32, NT * H)
+                         : nullptr;
+  [[maybe_unused]] auto x_row32 = [&](size_t t) -> const float* {
+    return x32 == nullptr ? static_cast<const float*>(plan.x) + t * H : x32 + token_slot[t] * H;
+  };
   auto prep_x_item = [&](size_t item, int worker) {
     const size_t i = item / x_chunks;
     const size_t c0 = (item % x_chunks) * x_chunk_cols, c1 = std::min(H, c0 + x_chunk_cols);
@@ -2073,7 +2375,8 @@ void ForwardFormat(ForwardPlan& plan) {
     if (plan.x_dtype == DType::kF32) {
       xr = static_cast<const float*>(plan.x) + t * H;
     } else {
-      float* buf = x_float + worker * H;  // this worker's, at the row's offsets
+      // This worker's, at the row's offsets (the fp16 path: the token's own row).
+      float* buf = x32 != nullptr ? x32 + i * H : x_float + worker * H;
       const uint16_t* xb = static_cast<const uint16_t*>(plan.x) + t * H;
       for (size_t j = c0; j < c1; ++j) buf[j] = common::Bf16ToFloat(xb[j]);
       xr = buf;
@@ -2146,6 +2449,8 @@ void ForwardFormat(ForwardPlan& plan) {
     float* const out[4] = {gs, us, gs2, us2};
     const int streams = streams_for(n);
     const bool use_amx = amx_for(n);
+    const bool f16_item = f16 && !use_amx;
+    const bool vec_done = use_amx || f16_item;  // rows not dotted by the loops below
     // Panel banks with four streams: gate and up panels of r and of r + panel_half together
     // (whole panels; a last odd panel of the item goes with its up panel alone).
     const size_t panel_half = panels && streams == 4 ? (r1 - r0) / 32 * 16 : 0;
@@ -2159,11 +2464,16 @@ void ForwardFormat(ForwardPlan& plan) {
         }
       }
     }
-    if (!use_amx && !panels) {
+    if (f16_item) {
+      // Its first two streams (Fp8F16RowRange: rows p and p + n/2 of the gate half first).
+      PrefetchRow(gate_up, g.expert, r0, row_bytes1);
+      PrefetchRow(gate_up, g.expert, r0 + std::min<size_t>(r1 - r0, common::kFp8BlockSize) / 2,
+                  row_bytes1);
+    } else if (!use_amx && !panels) {
       PrefetchRow(gate_up, g.expert, r0, row_bytes1);
       PrefetchRow(gate_up, g.expert, I + r0, row_bytes1);
     }
-    if (streams == 4 && !use_amx && !panels) {
+    if (streams == 4 && !vec_done && !panels) {
       PrefetchRow(gate_up, g.expert, r0 + (r1 - r0) / 2, row_bytes1);
       PrefetchRow(gate_up, g.expert, I + r0 + (r1 - r0) / 2, row_bytes1);
     }
@@ -2188,6 +2498,11 @@ void ForwardFormat(ForwardPlan& plan) {
                         [&](int set, size_t j, int i, float v) {
                           (set == 0 ? hrow : urow)[i][r0 + j] = v;
                         });
+        }
+        if (f16_item) {
+          const float* xr[64];
+          for (int i = 0; i < nc; ++i) xr[i] = x_row32(plan.route_token[route_of[i]]);
+          Fp8F16Pass1(gate_up, g.expert, I, r0, r1, xr, nc, hrow, urow);
         }
       }
 #endif
@@ -2220,7 +2535,7 @@ void ForwardFormat(ForwardPlan& plan) {
       }
       // With four streams, gate and up rows of r and of r + half go together (rows [r0, r1)
       // split in two halves; an odd last row goes alone with its up row).
-      const size_t half = streams == 4 && !use_amx && !panels ? (r1 - r0) / 2 : 0;
+      const size_t half = streams == 4 && !vec_done && !panels ? (r1 - r0) / 2 : 0;
       for (size_t r = r0; r < r0 + half; ++r) {
         const size_t rows[4] = {r, I + r, r + half, I + r + half};
         DotRowsMany<F, 4, kBf16Dot>(gate_up, g.expert, rows, acts, nc, out);
@@ -2231,7 +2546,7 @@ void ForwardFormat(ForwardPlan& plan) {
           urow[i][r + half] = us2[i];
         }
       }
-      for (size_t r = use_amx || panels ? r1 : r0 + 2 * half; r < r1; ++r) {
+      for (size_t r = vec_done || panels ? r1 : r0 + 2 * half; r < r1; ++r) {
         // The gate and up rows of r together: one pass over the activations for both.
         const size_t rows[2] = {r, I + r};
         if constexpr (kFuseRows<F>) {
@@ -2256,7 +2571,7 @@ void ForwardFormat(ForwardPlan& plan) {
           }
         }
 #endif
-        if (overlap) hacts.PrepareRange(route_of[i], hrow[i], r0, r1);
+        if (overlap && !f16) hacts.PrepareRange(route_of[i], hrow[i], r0, r1);
       }
     }
   };
@@ -2281,7 +2596,8 @@ void ForwardFormat(ForwardPlan& plan) {
     // pairs p, p + h (h = what is left / 2) of the rest; with two streams only the pairs.
     const int n = g.end - g.begin;
     const bool use_amx = amx_for(n);
-    const size_t q = streams_for(n) == 4 && !use_amx && !panels ? (h1 - h0) / 4 : 0;
+    const bool f16_item = f16 && !use_amx;
+    const size_t q = streams_for(n) == 4 && !use_amx && !panels && !f16_item ? (h1 - h0) / 4 : 0;
     const size_t p0 = h0 + 4 * q;
     const size_t half = use_amx || panels ? 0 : (h1 - p0) / 2;
     // Panel banks: the np panels of the block from ph0 on; with four streams P, P + pq,
@@ -2303,6 +2619,7 @@ void ForwardFormat(ForwardPlan& plan) {
       PrefetchRow(down, g.expert, p0 + half, row_bytes2);
     }
     ActView acts[64];
+    [[maybe_unused]] const float* hin[64];  // fp32 h rows (the fp16 path)
     float* dst[64];
     float wt[64];
     float dots[4][64];
@@ -2312,6 +2629,7 @@ void ForwardFormat(ForwardPlan& plan) {
       for (int i = 0; i < nc; ++i) {
         const size_t route = plan.group_routes[g.begin + c0 + i];
         acts[i] = hacts.View(route);
+        hin[i] = h + route * I;
         dst[i] = part + route * H;
         wt[i] = plan.route_weight[route];
       }
@@ -2325,6 +2643,10 @@ void ForwardFormat(ForwardPlan& plan) {
                         [&](int set, size_t j, int i, float v) {
                           dst[i][h0 + set * hb + j] = wt[i] * v;
                         });
+        }
+        if (f16_item) {
+          Fp8F16Pass2(down, g.expert, h0, h1, hin, wt, nc, dst);
+          continue;
         }
       }
 #endif
@@ -2400,7 +2722,7 @@ void ForwardFormat(ForwardPlan& plan) {
     // Four fork-joins: pass 1, prep h, pass 2, y.
     pool.ParallelFor(G * nrb, [&](uint64_t item, int) { pass1_item(item); });
     lap(1);
-    pool.ParallelFor(R, [&](uint64_t r, int) { hacts.Prepare(r, h + r * I); });
+    if (!f16) pool.ParallelFor(R, [&](uint64_t r, int) { hacts.Prepare(r, h + r * I); });
     lap(2);
     pool.ParallelFor(G * nhb, [&](uint64_t item, int) { pass2_item(item); });
     const size_t nyb = (H + kYBlock - 1) / kYBlock;

@@ -110,6 +110,16 @@ bool CpuHasAvx512Bf16() {
 #endif
 }
 
+// AVX512-FP16 (vfmadd231ph; fp8 banks, Options::fp8_fp16), likewise detected once.
+bool CpuHasAvx512Fp16() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = __builtin_cpu_supports("avx512fp16");
+  return has;
+#else
+  return false;
+#endif
+}
+
 absl::StatusOr<int64_t> ChooseTarget(const std::string& cap) {
   int64_t allowed = CompiledSupported();
   if (!cap.empty()) {
@@ -524,6 +534,7 @@ Options Options::FromEnv() {
   EnvFlag("MOE_CPU_BF16_DOT", &o.bf16_dot_product);
   EnvFlag("MOE_CPU_AMX", &o.amx);
   EnvInt("MOE_CPU_AMX_MIN_ROUTES", &o.amx_min_routes);
+  EnvFlag("MOE_CPU_FP8_FP16", &o.fp8_fp16);
   if (const char* t = std::getenv("MOE_CPU_MAX_TARGET"); t != nullptr) o.max_target = t;
   if (const char* v = std::getenv("MOE_CPU_ONEDNN_MIN_TOKENS"); v != nullptr && *v != '\0') {
     o.onednn_min_tokens_per_expert = std::max(0, std::atoi(v));
@@ -582,6 +593,8 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   plan.bf16_dot_product = bf16_dot_cpu && (bank.format == WeightFormat::kBf16 ||
                                            bank.format == WeightFormat::kFp8Block);
   plan.amx = amx && resolved.amx_min_routes > 0;
+  plan.fp8_fp16 = plan.bf16_dot_product && bank.format == WeightFormat::kFp8Block &&
+                  options.fp8_fp16 && CpuHasAvx512Fp16();
   plan.amx_min_routes = resolved.amx_min_routes;
   plan.token_route_begin.assign(num_tokens + 1, 0);
   plan.route_token.reserve(routes_total);
@@ -636,7 +649,11 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   const int all_unique = unique + onednn.experts;
   const bool bf16_dot_ran = plan.bf16_dot_product && num_routes > 0;
   bool amx_ran = false;
-  for (const internal::ExpertGroup& g : plan.groups) amx_ran |= plan.UsesAmx(g.end - g.begin);
+  bool fp16_ran = false;
+  for (const internal::ExpertGroup& g : plan.groups) {
+    amx_ran |= plan.UsesAmx(g.end - g.begin);
+    fp16_ran |= plan.fp8_fp16 && !plan.UsesAmx(g.end - g.begin);
+  }
   if (stats != nullptr) {
     stats->routes = all_routes;
     stats->unique_experts = all_unique;
@@ -645,14 +662,16 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
     stats->onednn_experts = onednn.experts;
     stats->bf16_dot_product = bf16_dot_ran;
     stats->amx = amx_ran;
+    stats->fp8_fp16 = fp16_ran;
   }
   if (options.debug) {
     std::fprintf(stderr,
                  "cpu_moe: T=%d routes=%d unique_experts=%d reuse=%.3f dedup=%d target=%s "
-                 "bf16_dot=%d amx=%d onednn_experts=%d onednn_routes=%d\n",
+                 "bf16_dot=%d amx=%d fp8_fp16=%d onednn_experts=%d onednn_routes=%d\n",
                  num_tokens, all_routes, all_unique,
                  all_unique > 0 ? static_cast<double>(all_routes) / all_unique : 0.0,
-                 dedup ? 1 : 0, target_name, bf16_dot_ran ? 1 : 0, amx_ran ? 1 : 0, onednn.experts,
+                 dedup ? 1 : 0, target_name, bf16_dot_ran ? 1 : 0, amx_ran ? 1 : 0,
+                 fp16_ran ? 1 : 0, onednn.experts,
                  onednn.routes);
   }
 

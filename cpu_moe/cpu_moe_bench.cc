@@ -358,6 +358,7 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
   state.counters["routes"] = routes;
   state.counters["model_ms"] = (dedup ? ub : routes * per_expert) / (dram * 1e9) * 1e3;
   state.counters["bf16_dot"] = fs.bf16_dot_product ? 1 : 0;
+  state.counters["fp8_fp16"] = fs.fp8_fp16 ? 1 : 0;
   // Page faults the process took per step (the kernel zeroing pages that a call's scratch got
   // back from the allocator); 0 when every call reuses memory that is already mapped.
   state.counters["faults_per_step"] = faults / steps;
@@ -605,6 +606,7 @@ void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int routes) {
   // Preparing the activations (x; h when the passes are not overlapped), us per step.
   state.counters["prep_us"] = 1e6 * prep / iters;
   state.counters["bf16_dot"] = fs.bf16_dot_product ? 1 : 0;
+  state.counters["fp8_fp16"] = fs.fp8_fp16 ? 1 : 0;
   state.counters["panels"] = bank.layout == Layout::kPanels ? 1 : 0;
 }
 

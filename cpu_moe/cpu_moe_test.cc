@@ -89,8 +89,13 @@ constexpr double kRelBf16Dot = 1e-5;
 // 150 * 2^-24 = 9e-6 of abs_scale; checked at 3e-5 (3x margin), still 7 times tighter than fp32's.
 constexpr double kRelAmx = 3e-5;
 
+// fp8 through fp16 (Options::fp8_fp16): against the reference that emulates its fp16 sums
+// (test_bank.h), the rest is fp32 summation as in the fp32 kernels, plus flip.
 double RelFor(const ForwardStats& st) {
-  return st.amx ? kRelAmx : st.bf16_dot_product ? kRelBf16Dot : kRelFp32;
+  return st.fp8_fp16 ? kRelFp32
+         : st.amx    ? kRelAmx
+         : st.bf16_dot_product ? kRelBf16Dot
+                               : kRelFp32;
 }
 
 // max over elements of |y - ref| / tol (<= 1 passes), tol = rel * abs_scale + flip + 1e-7.
@@ -127,9 +132,16 @@ bool HasBf16Dot(WeightFormat f) {
   return f == WeightFormat::kBf16 || f == WeightFormat::kFp8Block;
 }
 
+// Whether fp8's fp16 kernels (Options::fp8_fp16) can run at `target`.
+bool Fp16RunsAt(const std::string& target) {
+  return Bf16DotRunsAt(target) && __builtin_cpu_supports("avx512fp16");
+}
+
 // Reference options matching a run: the bf16 activation rounding emulated where the run did it.
 Options RefOptions(Options o, const ForwardStats& st) {
-  o.bf16_dot_product = st.bf16_dot_product;
+  o.bf16_dot_product = st.bf16_dot_product && !st.fp8_fp16;
+  o.fp8_fp16 = st.fp8_fp16;
+  if (st.fp8_fp16) o.amx = st.amx;
   return o;
 }
 
@@ -157,6 +169,7 @@ TEST_F(CpuMoeTest, TargetsAvailable) {
 // emulating reference; plain reference once per (format, T, routing).
 TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
   std::mt19937_64 rng(1234);
+  int fp16_runs = 0;  // runs in which fp8's fp16 kernels ran
   for (WeightFormat f : kFormats) {
     const HostBank hb = MakeRandomBank(f, kE, kH, kI, 77 + static_cast<int>(f));
     const bool bf16 = HasBf16Dot(f);  // bf16 and fp8: the bf16 dot product variants
@@ -174,8 +187,11 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
         const std::vector<float> x = RandomX(T, kH, rng);
         Options exact, rounded;
         exact.bf16_dot_product = false;
-        // [0]: activations as the fp32 kernels take them; [1]: rounded to bf16 (bf16 dot).
-        std::vector<double> ref[2], scale[2], flip[2], plain, s2, f2;
+        exact.fp8_fp16 = false;
+        rounded.fp8_fp16 = false;
+        // [0]: activations as the fp32 kernels take them; [1]: rounded to bf16 (bf16 dot);
+        // fp8 through fp16: emulated per run (which experts went through AMX depends on it).
+        std::vector<double> ref[3], scale[3], flip[3], plain, s2, f2;
         ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, exact, true, &ref[0], &scale[0],
                          &flip[0]);
         if (bf16) {
@@ -186,17 +202,20 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
         for (const std::string& target : AvailableTargets()) {
           for (bool dedup : {false, true}) {
             // bf16 and fp8: the bf16 dot product off, on (AMX for experts with the default
-            // number of routes) and on with every expert through AMX; int8 formats: the
-            // block-lane and the plain activation layout, and the bank in panels.
-            for (int alt : {0, 1, 2}) {
+            // number of routes; fp8: the others through fp16 where the CPU has it) and on with
+            // every expert through AMX; fp8 also on without fp16 (vdpbf16ps); int8 formats:
+            // the block-lane and the plain activation layout, and the bank in panels.
+            for (int alt : {0, 1, 2, 3}) {
               const bool dot = bf16 && alt != 0, block_lane = alt == 0;
               const bool panel = IsQuant(f) && alt == 2;
               if (alt != 0 && !bf16 && !IsQuant(f)) continue;
+              if (alt == 3 && f != WeightFormat::kFp8Block) continue;
               Options o;
               o.dedup = dedup;
               o.max_target = target;
               o.bf16_dot_product = dot;
               o.block_lane = block_lane;
+              o.fp8_fp16 = alt != 3;
               if (alt == 2 && bf16) o.amx_min_routes = 1;
               o.onednn_min_tokens_per_expert = 0;  // GEMV kernels (oneDNN: onednn_experts_test)
               std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
@@ -215,7 +234,15 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
               if (!dot) {
                 EXPECT_FALSE(st.amx) << what;
               }
-              const int v = st.bf16_dot_product ? 1 : 0;
+              if (!dot || alt == 3 || !Fp16RunsAt(target)) {
+                EXPECT_FALSE(st.fp8_fp16) << what;
+              }
+              fp16_runs += st.fp8_fp16;
+              if (st.fp8_fp16) {
+                ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, RefOptions(o, st), true,
+                                 &ref[2], &scale[2], &flip[2]);
+              }
+              const int v = st.fp8_fp16 ? 2 : st.bf16_dot_product ? 1 : 0;
               EXPECT_LE(WorstRatio(y, ref[v], scale[v], flip[v], RelFor(st)), 1.0) << what;
               const double rel = RelFrobenius(y, plain);
               EXPECT_LE(rel, IsQuant(f) ? 0.02 : st.bf16_dot_product ? 0.01 : 1e-5) << what;
@@ -224,6 +251,9 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
         }
       }
     }
+  }
+  if (Fp16RunsAt(AvailableTargets().front())) {
+    EXPECT_GT(fp16_runs, 0) << "fp8's fp16 kernels never ran on a CPU that has them";
   }
 }
 
@@ -236,15 +266,18 @@ TEST_F(CpuMoeTest, BrokenVariantsFail) {
   for (WeightFormat f : kFormats) {
     const Routing r = MakeRouting(T, kE, kTopK, 0.0, rng);
     const std::vector<float> x = RandomX(T, kH, rng);
-    // Variants: fp32 kernels; the bf16 dot product (bf16, fp8); with every expert through AMX;
-    // the int8 formats' bank in panels (packed from the row-major bank before each call).
-    for (int variant : {0, 1, 2, 3}) {
+    // Variants: fp32 kernels; the bf16 dot product (bf16, fp8; fp8 through fp16 where the CPU
+    // has it); with every expert through AMX; the int8 formats' bank in panels (packed from the
+    // row-major bank before each call); fp8 by the bf16 dot product without fp16.
+    for (int variant : {0, 1, 2, 3, 4}) {
       if ((variant == 1 || variant == 2) && !HasBf16Dot(f)) continue;
       if (variant == 3 && !IsQuant(f)) continue;
-      const bool dot = variant == 1 || variant == 2;
+      if (variant == 4 && f != WeightFormat::kFp8Block) continue;
+      const bool dot = variant == 1 || variant == 2 || variant == 4;
       HostBank hb = MakeRandomBank(f, kE, kH, kI, 5 + static_cast<int>(f));
       Options o;
       o.bf16_dot_product = dot;
+      o.fp8_fp16 = variant != 4;
       if (variant == 2) o.amx_min_routes = 1;
       std::unique_ptr<PanelBank> packed;
       // The bank Forward runs on: hb's, or panels packed from it as it is now.
@@ -261,13 +294,13 @@ TEST_F(CpuMoeTest, BrokenVariantsFail) {
           Forward(bank(), T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st).ok());
       const std::string what =
           absl::StrCat(std::string(common::WeightFormatName(f)), " bf16_dot=", st.bf16_dot_product,
-                       " amx=", st.amx, " panels=", variant == 3);
+                       " amx=", st.amx, " fp8_fp16=", st.fp8_fp16, " panels=", variant == 3);
       const double rel = RelFor(st);
       std::vector<double> ref, scale, flip;
       ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, RefOptions(o, st), true, &ref, &scale,
                        &flip);
       EXPECT_LE(WorstRatio(y, ref, scale, flip, rel), 1.0) << what;
-      if (st.bf16_dot_product) {
+      if (st.bf16_dot_product && !st.fp8_fp16) {
         std::vector<double> unrounded, s2, f2;
         ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, RefOptions(o, ForwardStats()), true,
                          &unrounded, &s2, &f2);
@@ -314,6 +347,87 @@ TEST_F(CpuMoeTest, BrokenVariantsFail) {
           Forward(bank(), T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_).ok());
       EXPECT_GT(WorstRatio(y, ref, scale, flip, rel), 1.0) << what;
     }
+  }
+}
+
+// fp8 through fp16 (Options::fp8_fp16): MOE_CPU_FP8_FP16=0 reaches the options; ForwardStats
+// says when it ran (by default where the CPU has AVX512-FP16 and the bf16 dot product runs; never
+// with either switched off); and its per-route activation scaling keeps x and h within fp16's
+// range: x scaled by 2^-30, 1 and 2^30 (h then spans about 2^-60 .. 2^60) matches the reference
+// within the same relative bound, with no absolute floor (outputs at 2^-30 are about 1e-19).
+TEST_F(CpuMoeTest, Fp8Fp16SwitchStatsAndRange) {
+  EXPECT_TRUE(Options().fp8_fp16);
+  setenv("MOE_CPU_FP8_FP16", "0", 1);
+  EXPECT_FALSE(Options::FromEnv().fp8_fp16);
+  unsetenv("MOE_CPU_FP8_FP16");
+  EXPECT_TRUE(Options::FromEnv().fp8_fp16);
+
+  std::mt19937_64 rng(41);
+  const int T = 3;
+  const Routing r = MakeRouting(T, kE, kTopK, 0.0, rng);
+  const std::vector<float> x0 = RandomX(T, kH, rng);
+  const HostBank hb = MakeRandomBank(WeightFormat::kFp8Block, kE, kH, kI, 43);
+  const std::string best = AvailableTargets().front();
+  std::vector<float> y(x0.size());
+  ForwardStats st;
+  Options o;
+  ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x0, absl::MakeSpan(y), o, pool_, &st)
+                  .ok());
+  EXPECT_EQ(st.fp8_fp16, Fp16RunsAt(best));
+  for (int off = 0; off < 2; ++off) {
+    Options o2;
+    (off == 0 ? o2.fp8_fp16 : o2.bf16_dot_product) = false;
+    ASSERT_TRUE(
+        Forward(hb.bank, T, kTopK, r.ids, r.weights, x0, absl::MakeSpan(y), o2, pool_, &st).ok());
+    EXPECT_FALSE(st.fp8_fp16) << off;
+  }
+  const HostBank q4 = MakeRandomBank(WeightFormat::kQ4_0, kE, kH, kI, 43, false);
+  ASSERT_TRUE(
+      Forward(q4.bank, T, kTopK, r.ids, r.weights, x0, absl::MakeSpan(y), o, pool_, &st).ok());
+  EXPECT_FALSE(st.fp8_fp16) << "q4_0";
+
+  // Against the plain float64 reference (no emulation): the fp16 kernels' activations keep 11
+  // significant bits against bf16's 8, so their error is the smaller (printed for the record).
+  {
+    std::vector<double> plain, ps, pf;
+    Options exact;
+    exact.bf16_dot_product = false;
+    exact.fp8_fp16 = false;
+    ReferenceForward(hb, T, kTopK, r.ids, r.weights, x0, exact, true, &plain, &ps, &pf);
+    for (bool fp16 : {true, false}) {
+      Options o2;
+      o2.fp8_fp16 = fp16;
+      ASSERT_TRUE(
+          Forward(hb.bank, T, kTopK, r.ids, r.weights, x0, absl::MakeSpan(y), o2, pool_, &st).ok());
+      const double rel = RelFrobenius(y, plain);
+      std::printf("fp8_fp16=%d bf16_dot=%d: relative Frobenius error against float64 %.3g\n",
+                  st.fp8_fp16 ? 1 : 0, st.bf16_dot_product ? 1 : 0, rel);
+      EXPECT_LE(rel, 0.01) << fp16;
+    }
+  }
+
+  // Each scale through the fp16 kernels (where the CPU has them) and through the fp32 ones.
+  for (int p : {-30, 0, 30}) {
+   for (bool dot : {true, false}) {
+    std::vector<float> x = x0;
+    for (float& v : x) v = std::ldexp(v, p);
+    o.bf16_dot_product = dot;
+    ASSERT_TRUE(
+        Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st).ok());
+    std::vector<double> ref, scale, flip;
+    ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, RefOptions(o, st), true, &ref, &scale,
+                     &flip);
+    const double rel = RelFor(st);
+    double worst = 0.0;
+    for (size_t i = 0; i < y.size(); ++i) {
+      const double tol = rel * scale[i] + flip[i];
+      ASSERT_GT(tol, 0.0) << i;
+      worst = std::max(worst, std::isfinite(y[i]) ? std::fabs(y[i] - ref[i]) / tol : 1e30);
+    }
+    std::printf("x * 2^%d: fp8_fp16=%d worst error / tolerance %.3g, relative Frobenius %.3g\n",
+                p, st.fp8_fp16 ? 1 : 0, worst, RelFrobenius(y, ref));
+    EXPECT_LE(worst, 1.0) << "x * 2^" << p << " fp8_fp16=" << st.fp8_fp16;
+   }
   }
 }
 

@@ -63,7 +63,8 @@ std::vector<float> RunForward(const ExpertBank& bank, int T, const Case& c, cons
   return y;
 }
 
-// bf16 and fp8_block (with the bf16 dot product off, on, and on with AMX for every expert) and
+// bf16 and fp8_block (with the bf16 dot product off, on, and on with AMX for every expert; fp8
+// also on without its fp16 kernels) and
 // q4_0 (row-major and in panels, Layout::kPanels) x
 // every compiled+supported target x T in {1, 16} x dedup on/off: each tuning setting, with the
 // passes overlapped and not, gives the defaults' y bit for bit. The settings include pass-1 row
@@ -112,17 +113,20 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
         const Case c = MakeCase(T, 100 + T);
         for (bool dedup : {true, false}) {
           // bf16 and fp8: the bf16 dot product off, on (AMX for experts with the default
-          // number of routes), on with every expert through AMX (where the CPU has it); q4_0:
+          // number of routes; fp8: the others through fp16 where the CPU has it), on with every
+          // expert through AMX (where the CPU has it); fp8 also on without fp16 (4); q4_0:
           // row-major (0) and in panels (3).
-          for (int variant : {0, 1, 2, 3}) {
+          for (int variant : {0, 1, 2, 3, 4}) {
             if (f == WeightFormat::kQ4_0 ? variant == 1 || variant == 2 : variant == 3) continue;
-            const bool dot = variant == 1 || variant == 2;
+            if (variant == 4 && f != WeightFormat::kFp8Block) continue;
+            const bool dot = variant == 1 || variant == 2 || variant == 4;
             const ExpertBank& bank = variant == 3 ? panels->bank : hb.bank;
             Options base;
             base.max_target = target;
             base.dedup = dedup;
             base.bf16_dot_product = dot;
             if (variant == 2) base.amx_min_routes = 1;
+            base.fp8_fp16 = variant != 4;
             base.onednn_min_tokens_per_expert = 0;
             const std::vector<float> y0 = RunForward(bank, T, c, base, pool);
             for (const Setting& s : settings) {

@@ -1,5 +1,7 @@
 #include "cpu_moe/test_bank.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -180,6 +182,88 @@ void EmulateActBf16(const float* x, size_t n, double* out, double* step) {
   }
 }
 
+namespace {
+
+// One fp16 ulp at v (an fp16 value).
+double F16Ulp(double v) {
+  int ex;
+  std::frexp(v == 0 ? 1e-30 : v, &ex);
+  return std::ldexp(1.0, std::max(ex - 1, -14) - 10);
+}
+
+// The fp16 emulation below runs only where the fp16 kernels ran, i.e. on CPUs with AVX512-FP16,
+// whose scalar fp16 instructions round exactly as one lane of the kernels' vectors does.
+#define MOE_TEST_FP16 __attribute__((target("avx512fp16")))
+
+// Fp8F16Prepare (cpu_moe-inl.h) in scalar code: xp[c] = fp16(float(x[c] * f_b)), f_b the block
+// scale times 2^(10 - e), with the same float operations; returns e.
+MOE_TEST_FP16 int EmulateF16Prepare(const float* x, const float* srow, size_t k, std::vector<double>* xp,
+                      std::vector<double>* f) {
+  constexpr size_t kB = common::kFp8BlockSize;
+  const size_t bcols = (k + kB - 1) / kB;
+  float mx = 0.0f;
+  bool special = false;
+  for (size_t b = 0; b < bcols; ++b) {
+    float xm = 0.0f;
+    bool nan = false;
+    for (size_t c = b * kB; c < std::min(k, (b + 1) * kB); ++c) {
+      nan |= std::isnan(x[c]);
+      xm = std::max(xm, std::fabs(x[c]));
+    }
+    const float v = (nan ? std::numeric_limits<float>::quiet_NaN() : xm) * std::fabs(srow[b]);
+    special |= !(v <= std::numeric_limits<float>::max());
+    mx = std::max(mx, v);
+  }
+  int e = 10;
+  if (!special && mx > 0.0f) std::frexp(mx, &e);
+  xp->assign(k, 0.0);
+  f->assign(k, 0.0);
+  for (size_t c = 0; c < k; ++c) {
+    const double lim = std::numeric_limits<float>::max();
+    const float fb = static_cast<float>(
+        std::max(-lim, std::min(lim, std::ldexp(static_cast<double>(srow[c / kB]), 10 - e))));
+    (*f)[c] = fb;
+    (*xp)[c] = static_cast<double>(static_cast<_Float16>(x[c] * fb));
+  }
+  return e;
+}
+
+// Fp8F16Rows' dot of the e4m3 row w (k columns) with the prepared activations xp, before its
+// 2^(e - 2): each of 32 fp16 lanes adds its products in the kernel's order (lane L takes columns
+// 16 (L / 8) + L % 8, then + 8, of each 64-column chunk) with one rounding per FMA over 256
+// columns, lanes L and L + 16 are then added in fp16 and the 16 results summed (here exactly;
+// the kernel in fp32). *lane_abs: the largest sum of |products| of one lane over 256 columns.
+MOE_TEST_FP16 double EmulateF16Dot(const uint8_t* w, const std::vector<double>& xp, size_t k,
+                                   double* lane_abs) {
+  double total = 0.0, labs = 0.0;
+  for (size_t c0 = 0; c0 < k; c0 += 256) {
+    __m128h acc[32];
+    double ab[32] = {};
+    for (__m128h& v : acc) v = _mm_setzero_ph();
+    for (size_t c = c0; c < std::min(k, c0 + 256); c += 64) {
+      for (int half = 0; half < 2; ++half) {
+        for (int l = 0; l < 32; ++l) {
+          const size_t col = c + 16 * (l / 8) + 8 * half + l % 8;
+          if (col >= k) continue;
+          const float wv = common::Fp8E4M3ToFloat(w[col]) / 256.0f;  // exact, and in fp16
+          acc[l] = _mm_fmadd_sh(_mm_set_sh(static_cast<_Float16>(wv)),
+                                _mm_set_sh(static_cast<_Float16>(xp[col])), acc[l]);
+          ab[l] += std::fabs(static_cast<double>(wv) * xp[col]);
+        }
+      }
+    }
+    for (int l = 0; l < 16; ++l) {
+      total += static_cast<double>(_mm_cvtsh_h(_mm_add_sh(acc[l], acc[l + 16])));
+    }
+    for (int l = 0; l < 32; ++l) labs = std::max(labs, ab[l]);
+  }
+  *lane_abs = labs;
+  return total;
+}
+#undef MOE_TEST_FP16
+
+}  // namespace
+
 void ReferenceForward(const HostBank& hb, int num_tokens, int top_k,
                       const std::vector<int32_t>& ids, const std::vector<float>& weights,
                       const std::vector<float>& x, const Options& options,
@@ -187,14 +271,33 @@ void ReferenceForward(const HostBank& hb, int num_tokens, int top_k,
                       std::vector<double>* abs_scale, std::vector<double>* flip) {
   const ExpertBank& b = hb.bank;
   const size_t H = b.hidden, I = b.intermediate;
+  constexpr size_t kB = common::kFp8BlockSize;
   const bool quant = emulate_act_quant && IsQuant(b.format);
-  const bool bf16_round = emulate_act_quant && options.bf16_dot_product &&
+  const bool fp16 = options.fp8_fp16 && b.format == WeightFormat::kFp8Block;
+  const bool bf16_round = emulate_act_quant && options.bf16_dot_product && !fp16 &&
                           (b.format == WeightFormat::kBf16 || b.format == WeightFormat::kFp8Block);
+  // fp16 runs: the experts that went through AMX instead (bf16-rounded activations), by the
+  // kernels' rule: options.amx (ForwardStats::amx of the run) and at least amx_min_routes
+  // routes in the call's group of the expert (one route per group without dedup).
+  std::vector<int> routes_of(b.num_experts, 0);
+  int valid = 0, unique = 0;
+  for (int32_t e : ids) {
+    if (e < 0) continue;
+    ++valid;
+    unique += routes_of[e]++ == 0;
+  }
+  const bool grouped = options.dedup && unique < valid;
+  const int amx_min = options.amx_min_routes == Options::kAuto ? 5 : options.amx_min_routes;
+  auto via_amx = [&](int e) {
+    return fp16 && options.amx && amx_min > 0 && (grouped ? routes_of[e] : 1) >= amx_min;
+  };
   y->assign(num_tokens * H, 0.0);
   abs_scale->assign(num_tokens * H, 0.0);
   flip->assign(num_tokens * H, 0.0);
-  std::vector<double> xq(H), h(I), hstep(I, 0.0);
+  std::vector<double> xq(H), xb(H), h(I), hstep(I, 0.0), xp, f;
   std::vector<float> hf(I);
+  const float* gus = reinterpret_cast<const float*>(hb.gate_up_s.data());
+  const float* dns = reinterpret_cast<const float*>(hb.down_s.data());
   for (int t = 0; t < num_tokens; ++t) {
     const float* xt = x.data() + t * H;
     if (quant) {
@@ -204,16 +307,45 @@ void ReferenceForward(const HostBank& hb, int num_tokens, int top_k,
     } else {
       for (size_t i = 0; i < H; ++i) xq[i] = xt[i];
     }
+    if (fp16) EmulateActBf16(xt, H, xb.data(), nullptr);  // for experts through AMX
     for (int j = 0; j < top_k; ++j) {
       const int e = ids[t * top_k + j];
       if (e < 0) continue;
       const double w = weights[t * top_k + j];
+      const bool amx16 = via_amx(e);       // fp16 run, this expert through AMX
+      const bool f16 = fp16 && !amx16;     // this expert through the fp16 kernels
+      const double* xe = amx16 ? xb.data() : xq.data();
       const float* gu = hb.gate_up_f.data() + static_cast<size_t>(e) * 2 * I * H;
+      // fp16: gate and up rows by emulating the kernels, activations prepared per scale block.
+      const size_t bcols_h = (H + kB - 1) / kB, brows_gu = (2 * I + kB - 1) / kB;
+      const uint8_t* guw = hb.gate_up_w.data() + static_cast<size_t>(e) * 2 * I * H;
+      size_t prepared_rb = SIZE_MAX;  // the scale block whose activations xp holds
+      int prepared_e = 0;
+      auto f16_row = [&](size_t r) {
+        const size_t rb = r / kB;
+        if (rb != prepared_rb) {
+          prepared_rb = rb;
+          prepared_e = EmulateF16Prepare(xt, gus + (e * brows_gu + rb) * bcols_h, H, &xp, &f);
+        }
+        double labs;
+        return std::ldexp(EmulateF16Dot(guw + r * H, xp, H, &labs), prepared_e - 2);
+      };
       for (size_t r = 0; r < I; ++r) {
-        double g = 0, u = 0;
-        for (size_t c = 0; c < H; ++c) {
-          g += static_cast<double>(gu[r * H + c]) * xq[c];
-          u += static_cast<double>(gu[(I + r) * H + c]) * xq[c];
+        double g = 0;
+        if (f16) {
+          g = f16_row(r);
+        } else {
+          for (size_t c = 0; c < H; ++c) g += static_cast<double>(gu[r * H + c]) * xe[c];
+        }
+        h[r] = g;
+      }
+      for (size_t r = 0; r < I; ++r) {
+        const double g = h[r];
+        double u = 0;
+        if (f16) {
+          u = f16_row(I + r);
+        } else {
+          for (size_t c = 0; c < H; ++c) u += static_cast<double>(gu[(I + r) * H + c]) * xe[c];
         }
         double v;
         if (options.activation == Activation::kSwiGlu) {
@@ -226,16 +358,38 @@ void ReferenceForward(const HostBank& hb, int num_tokens, int top_k,
         h[r] = v;
         hf[r] = static_cast<float>(v);
       }
+      std::fill(hstep.begin(), hstep.end(), 0.0);
       if (quant) EmulateActQuant(hf.data(), I, h.data(), hstep.data());
-      if (bf16_round) EmulateActBf16(hf.data(), I, h.data(), hstep.data());
+      if (bf16_round || amx16) EmulateActBf16(hf.data(), I, h.data(), hstep.data());
+      if (f16) {
+        for (size_t c = 0; c < I; ++c) h[c] = hf[c];
+      }
       const float* dn = hb.down_f.data() + static_cast<size_t>(e) * H * I;
+      const uint8_t* dnw = hb.down_w.data() + static_cast<size_t>(e) * H * I;
+      const size_t bcols_i = (I + kB - 1) / kB, brows_d = (H + kB - 1) / kB;
+      int pe = 0;
       for (size_t r = 0; r < H; ++r) {
         double s = 0, a = 0, mx = 0;
+        if (f16 && r % kB == 0) {
+          pe = EmulateF16Prepare(hf.data(), dns + (e * brows_d + r / kB) * bcols_i, I, &xp, &f);
+        }
         for (size_t c = 0; c < I; ++c) {
           const double d = dn[r * I + c];
           s += d * h[c];
           a += std::fabs(d * h[c]);
           mx = std::max(mx, std::fabs(d) * hstep[c]);
+        }
+        if (f16) {
+          // What one fp16 rounding flip of h (the kernel's fp32 h against this float64 one) can
+          // move the dot by: the flipped product, and one ulp of the lane's partial sums for each
+          // of its later roundings (at most 8 FMAs and the fold).
+          double labs, fl = 0;
+          s = std::ldexp(EmulateF16Dot(dnw + r * I, xp, I, &labs), pe - 2);
+          for (size_t c = 0; c < I; ++c) {
+            fl = std::max(fl, std::fabs(common::Fp8E4M3ToFloat(dnw[r * I + c]) / 256.0) *
+                                  F16Ulp(xp[c]));
+          }
+          mx = std::ldexp(fl + 10.0 * std::ldexp(labs, -10), pe - 2);
         }
         (*y)[t * H + r] += w * s;
         (*abs_scale)[t * H + r] += std::fabs(w) * a;

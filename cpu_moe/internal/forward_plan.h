@@ -38,6 +38,9 @@ struct ForwardPlan {
   // the tile state, and options->amx.
   bool amx = false;
   int amx_min_routes = 0;
+  // fp8 banks with bf16_dot_product, where the CPU has AVX512-FP16 and options->fp8_fp16: the
+  // experts that do not go through AMX are dotted with fp16 FMAs (Fp8F16Pass1 / 2).
+  bool fp8_fp16 = false;
   // Whether an expert with `routes` routes in this call goes through AMX (the one rule that both
   // the kernels and ForwardStats::amx follow).
   bool UsesAmx(int routes) const { return amx && routes >= amx_min_routes; }
