@@ -315,7 +315,8 @@ void EnvInt(const char* name, int* value) {
 }
 
 // Options with every kAuto tuning value replaced by the format's own (see Options::kAuto).
-Options ResolveTuning(const Options& options, WeightFormat format, Layout layout) {
+// fp8_fp16: fp8's fp16 kernels will run (ForwardPlan::fp8_fp16).
+Options ResolveTuning(const Options& options, WeightFormat format, Layout layout, bool fp8_fp16) {
   Options o = options;
   // AMX from 5 routes per expert for fp8, from 12 for bf16. One dev-box core, weights in L3,
   // GB/s at 1 / 4 / 8 routes: fp8 through vdpbf16ps 21 / 8.6 / 4.4, through AMX 13 / 12.5 /
@@ -352,8 +353,11 @@ Options ResolveTuning(const Options& options, WeightFormat format, Layout layout
   // 4-bit formats (+2-6% over 64), 64 for bf16 (+1.5-4% over 16).
   // Panel banks of the 4-bit formats: 256 (session 8, side by side on the host: 1.6-2.5% faster
   // than 128 in four cases at T=1-64).
+  // fp8 through its fp16 kernels: 128 (session 12, side by side on the host: 5-8% faster than
+  // 64 in five cases at T=1-64, each item preparing a route's activations for twice the rows;
+  // the vdpbf16ps kernels gained nothing from 128).
   if (o.pass1_rows == Options::kAuto) {
-    o.pass1_rows = four_bit ? (layout == Layout::kPanels ? 256 : 128) : 64;
+    o.pass1_rows = four_bit ? (layout == Layout::kPanels ? 256 : 128) : fp8_fp16 ? 128 : 64;
   }
   // Pass 2 blocks of 128 rows of one expert (+4-9% at T=64 on the host over 64-row blocks of the
   // old split), 256 for the 4-bit formats, whose rows are short (432 bytes): with four row
@@ -564,7 +568,9 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   const bool bf16_dot_cpu = options.bf16_dot_product && target == HWY_AVX3_DL && CpuHasAvx512Bf16();
   const bool amx = bf16_dot_cpu && options.amx && AmxAvailable() &&
                    (bank.format == WeightFormat::kFp8Block || bank.format == WeightFormat::kBf16);
-  const Options resolved = ResolveTuning(options, bank.format, bank.layout);
+  const bool fp8_fp16 = bf16_dot_cpu && bank.format == WeightFormat::kFp8Block &&
+                        options.fp8_fp16 && CpuHasAvx512Fp16();
+  const Options resolved = ResolveTuning(options, bank.format, bank.layout, fp8_fp16);
   RETURN_IF_ERROR(ValidateTuning(resolved));
   if (num_tokens < 0 || top_k <= 0) {
     return absl::InvalidArgumentError(
@@ -593,8 +599,7 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   plan.bf16_dot_product = bf16_dot_cpu && (bank.format == WeightFormat::kBf16 ||
                                            bank.format == WeightFormat::kFp8Block);
   plan.amx = amx && resolved.amx_min_routes > 0;
-  plan.fp8_fp16 = plan.bf16_dot_product && bank.format == WeightFormat::kFp8Block &&
-                  options.fp8_fp16 && CpuHasAvx512Fp16();
+  plan.fp8_fp16 = fp8_fp16;
   plan.amx_min_routes = resolved.amx_min_routes;
   plan.token_route_begin.assign(num_tokens + 1, 0);
   plan.route_token.reserve(routes_total);
