@@ -1730,13 +1730,16 @@ HWY_INLINE void Fp8DotRowsBf16(const uint8_t* const* w, const float* const* scal
 // fp8 by AVX512-FP16 FMAs (ForwardPlan::fp8_fp16): experts not through AMX, on CPUs with
 // AVX512-FP16 (Sapphire Rapids on). vdpbf16ps issues about once per two cycles on these cores
 // and the table decode spends two vpermi2b per 64 codes; vfmadd231ph multiplies as many
-// elements per instruction at twice the rate, and e4m3 -> fp16 is three simple instructions
-// per 32 codes: the code in the high byte of a u16 lane (an interleave with zero), an
-// arithmetic shift right by one (sign to bits 15 and 14, exponent and mantissa to bits 13..7)
-// and an AND that clears bit 14. That is the fp16 of value e4m3 / 256, exact for every finite
-// code, subnormals included (fp16 has e4m3's precision and 2^8 of headroom either side); the
-// NaN codes 0x7F / 0xFF come out as +-480 / 256 instead, as in the F16C path of the other
-// targets. The weights of a 64-column chunk come out in the table decode's order (Fp8Pos).
+// elements per instruction at twice the rate, and e4m3 -> fp16 is a bit shuffle: sign to bit
+// 15, exponent and mantissa to bits 13..7, which is the fp16 of value e4m3 / 256, exact for
+// every finite code, subnormals included (fp16 has e4m3's precision and 2^8 of headroom either
+// side); the NaN codes 0x7F / 0xFF come out as +-480 / 256 instead, as in the F16C path of the
+// other targets. Per 64 codes: two GF(2) affine byte transforms (GFNI, which every CPU with
+// AVX512-FP16 has) give each code's fp16 high byte (s 0 e3 e2 e1 e0 m2 m1) and low byte
+// (m0 << 7), and two interleaves make the words. (An interleave with zero, an arithmetic shift
+// and an AND per 32 codes give the same bits for all 256 codes with two more instructions per
+// 64: 6-13% slower on one core, fp16_dot_probe.) The weights of a 64-column chunk come out in
+// the table decode's order (Fp8Pos).
 //
 // fp16 has 11 significant bits and a range of 2^-24 .. 65504, so the activations are scaled
 // before they are rounded to it: for each route and each 128-row scale block rb of the matrix,
@@ -1749,7 +1752,7 @@ HWY_INLINE void Fp8DotRowsBf16(const uint8_t* const* w, const float* const* scal
 // relative to the sum of |terms|: the rounding of x' (2^-11), 8 FMA roundings and the fold
 // (2^-11 of partial sums each): at most 10 * 2^-11 = 0.5%, typically about 1e-4 (random
 // signs). fp8 weights themselves carry about 2^-4.
-#define MOE_FP16_FN __attribute__((target("avx512fp16")))
+#define MOE_FP16_FN __attribute__((target("avx512fp16,gfni")))
 
 constexpr size_t kF16FlushCols = 256;  // columns per fp16 accumulation (see above)
 
@@ -1759,8 +1762,9 @@ template <int NR, int NT>
 MOE_FP16_FN HWY_INLINE void Fp8F16Rows(const uint8_t* const* w, size_t cols, PfDist pf,
                                        const uint16_t* const* xh,
                                        float (*HWY_RESTRICT sums)[kTile]) {
-  const __m512i zero = _mm512_setzero_si512();
-  const __m512i keep = _mm512_set1_epi16(static_cast<short>(0xBFFF));
+  // Rows of the affine matrices (qword byte 7 - i: the input bits whose parity is output bit i).
+  const __m512i hmat = _mm512_set1_epi64(0x0204081020400080LL);  // s 0 e3 e2 e1 e0 m2 m1
+  const __m512i lmat = _mm512_set1_epi64(0x0000000000000001LL);  // m0 << 7
   __m512 total[NR][NT];
   for (int rr = 0; rr < NR; ++rr) {
     for (int t = 0; t < NT; ++t) total[rr][t] = _mm512_setzero_ps();
@@ -1780,10 +1784,10 @@ MOE_FP16_FN HWY_INLINE void Fp8F16Rows(const uint8_t* const* w, size_t cols, PfD
             c + 64 <= c1 ? _mm512_loadu_si512(w[rr] + c)
                          : _mm512_zextsi256_si512(
                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[rr] + c)));
-        wv[rr][0] = _mm512_castsi512_ph(
-            _mm512_and_si512(_mm512_srai_epi16(_mm512_unpacklo_epi8(zero, code), 1), keep));
-        wv[rr][1] = _mm512_castsi512_ph(
-            _mm512_and_si512(_mm512_srai_epi16(_mm512_unpackhi_epi8(zero, code), 1), keep));
+        const __m512i hb = _mm512_gf2p8affine_epi64_epi8(code, hmat, 0);
+        const __m512i lb = _mm512_gf2p8affine_epi64_epi8(code, lmat, 0);
+        wv[rr][0] = _mm512_castsi512_ph(_mm512_unpacklo_epi8(lb, hb));
+        wv[rr][1] = _mm512_castsi512_ph(_mm512_unpackhi_epi8(lb, hb));
       }
       for (int t = 0; t < NT; ++t) {
         const __m512h x0 = _mm512_castsi512_ph(_mm512_load_si512(xh[t] + c));

@@ -110,10 +110,11 @@ bool CpuHasAvx512Bf16() {
 #endif
 }
 
-// AVX512-FP16 (vfmadd231ph; fp8 banks, Options::fp8_fp16), likewise detected once.
+// AVX512-FP16 (vfmadd231ph; fp8 banks, Options::fp8_fp16) and GFNI (its e4m3 decode; every
+// CPU with AVX512-FP16 has it), likewise detected once.
 bool CpuHasAvx512Fp16() {
 #if defined(__x86_64__) || defined(__i386__)
-  static const bool has = __builtin_cpu_supports("avx512fp16");
+  static const bool has = __builtin_cpu_supports("avx512fp16") && __builtin_cpu_supports("gfni");
   return has;
 #else
   return false;

@@ -136,7 +136,8 @@ struct Options {
   // first). Same activation rounding as bf16_dot_product; only the fp32 summation order
   // differs. ForwardStats::amx says whether it ran for any expert.
   bool amx = true;
-  // fp8 banks, where bf16_dot_product applies and the CPU has AVX512-FP16 (Sapphire Rapids on):
+  // fp8 banks, where bf16_dot_product applies and the CPU has AVX512-FP16 (Sapphire Rapids on;
+  // with GFNI, which all of those have):
   // the experts that do not go through AMX are dotted with fp16 FMAs instead of vdpbf16ps (every
   // e4m3 value is exact in fp16): 1.7-1.9x as fast on one core with the weights in L2, 1.2-1.7x
   // with all 16 workers of the GPU machine's host cache-hot, 6-15% faster steps at T=16-64. Each route's

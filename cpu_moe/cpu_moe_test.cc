@@ -134,7 +134,8 @@ bool HasBf16Dot(WeightFormat f) {
 
 // Whether fp8's fp16 kernels (Options::fp8_fp16) can run at `target`.
 bool Fp16RunsAt(const std::string& target) {
-  return Bf16DotRunsAt(target) && __builtin_cpu_supports("avx512fp16");
+  return Bf16DotRunsAt(target) && __builtin_cpu_supports("avx512fp16") &&
+         __builtin_cpu_supports("gfni");
 }
 
 // Reference options matching a run: the bf16 activation rounding emulated where the run did it.

@@ -108,10 +108,16 @@ __attribute__((noinline)) void Table() {
 }
 
 // kScaleAtFlush: f16s (FL must be 1); otherwise the block scale is in the activations (here:
-// all blocks share one scale, applied at the end).
-template <int NT, int FL, bool kScaleAtFlush>
+// all blocks share one scale, applied at the end). kGfni: the decode by two GF(2) affine byte
+// transforms (the fp16's high and low byte of each code) and two interleaves, instead of two
+// interleaves, two shifts and two ANDs (the same bits for all 256 codes).
+template <int NT, int FL, bool kScaleAtFlush, bool kGfni = false>
 __attribute__((noinline)) void F16() {
   const __m512i z = _mm512_setzero_si512(), keep = _mm512_set1_epi16(static_cast<short>(0xBFFF));
+  // Rows of the affine matrices (byte 7 - i: the input bits whose parity is output bit i): high
+  // byte s 0 e3 e2 e1 e0 m2 m1 (bit 7 from bit 7, bits 5..0 from bits 6..1); low byte m0 << 7.
+  const __m512i hmat = _mm512_set1_epi64(0x0204081020400080LL);
+  const __m512i lmat = _mm512_set1_epi64(0x0000000000000001LL);
   for (int r = 0; r < kRows; r += 2) {
     __m512 tot[2][NT];
     for (auto& a : tot) for (auto& v : a) v = _mm512_setzero_ps();
@@ -122,10 +128,17 @@ __attribute__((noinline)) void F16() {
         __m512h wv[2][2];
         for (int a = 0; a < 2; ++a) {
           const __m512i code = _mm512_loadu_si512(g_w + (r + a) * kK + c);
-          wv[a][0] = _mm512_castsi512_ph(
-              _mm512_and_si512(_mm512_srai_epi16(_mm512_unpacklo_epi8(z, code), 1), keep));
-          wv[a][1] = _mm512_castsi512_ph(
-              _mm512_and_si512(_mm512_srai_epi16(_mm512_unpackhi_epi8(z, code), 1), keep));
+          if (kGfni) {
+            const __m512i hb = _mm512_gf2p8affine_epi64_epi8(code, hmat, 0);
+            const __m512i lb = _mm512_gf2p8affine_epi64_epi8(code, lmat, 0);
+            wv[a][0] = _mm512_castsi512_ph(_mm512_unpacklo_epi8(lb, hb));
+            wv[a][1] = _mm512_castsi512_ph(_mm512_unpackhi_epi8(lb, hb));
+          } else {
+            wv[a][0] = _mm512_castsi512_ph(
+                _mm512_and_si512(_mm512_srai_epi16(_mm512_unpacklo_epi8(z, code), 1), keep));
+            wv[a][1] = _mm512_castsi512_ph(
+                _mm512_and_si512(_mm512_srai_epi16(_mm512_unpackhi_epi8(z, code), 1), keep));
+          }
         }
         for (int t = 0; t < NT; ++t) {
           const __m512h x0 = _mm512_castsi512_ph(_mm512_load_si512(g_xh[t] + c));
@@ -192,15 +205,17 @@ double Error(int nt) {
 
 template <int NT>
 void Row() {
-  double ns[5], err[5];
+  double ns[6], err[6];
   Table<NT>(); err[0] = Error(NT); ns[0] = Time(Table<NT>);
   F16<NT, 1, false>(); err[1] = Error(NT); ns[1] = Time(F16<NT, 1, false>);
   F16<NT, 2, false>(); err[2] = Error(NT); ns[2] = Time(F16<NT, 2, false>);
   F16<NT, 4, false>(); err[3] = Error(NT); ns[3] = Time(F16<NT, 4, false>);
   F16<NT, 1, true>(); err[4] = Error(NT); ns[4] = Time(F16<NT, 1, true>);
-  std::printf("NT=%d  table %.3f  f16/1 %.3f  f16/2 %.3f  f16/4 %.3f  f16s %.3f   "
-              "(max error / sum|terms|: %.1e %.1e %.1e %.1e %.1e)\n",
-              NT, ns[0], ns[1], ns[2], ns[3], ns[4], err[0], err[1], err[2], err[3], err[4]);
+  F16<NT, 2, false, true>(); err[5] = Error(NT); ns[5] = Time(F16<NT, 2, false, true>);
+  std::printf("NT=%d  table %.3f  f16/1 %.3f  f16/2 %.3f  f16/4 %.3f  f16s %.3f  f16/2 gfni %.3f   "
+              "(max error / sum|terms|: %.1e %.1e %.1e %.1e %.1e %.1e)\n",
+              NT, ns[0], ns[1], ns[2], ns[3], ns[4], ns[5], err[0], err[1], err[2], err[3], err[4],
+              err[5]);
 }
 
 template <class F>
