@@ -1247,6 +1247,13 @@ struct Fp8Bf16Lut {
 };
 alignas(64) static constexpr Fp8Bf16Lut kFp8Bf16Lut{};
 
+// The 64 e4m3 codes at p, or where !full (a row's last 32 columns) its 32 codes zero-extended
+// (code 0: +0 weights against the activations' zero padding).
+HWY_INLINE __m512i LoadFp8Codes(const uint8_t* p, bool full) {
+  return full ? _mm512_loadu_si512(p)
+              : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // The decode's tables and masks, loaded once per Fp8DotRows call and held in registers.
 struct Fp8Decoder {
   __m512i lo0, lo1, hi0, hi1, sign, hi16;
@@ -1303,10 +1310,7 @@ HWY_INLINE void Fp8DotChunk(const Fp8Decoder& dec, const uint8_t* const* w, size
   for (int rr = 0; rr < NR; ++rr) {
     // One prefetch per 64 bytes of the row (c is a multiple of 64, tail included).
     PfAhead(pf, w[rr] + c);
-    const __m512i code = kTail ? _mm512_zextsi256_si512(_mm256_loadu_si256(
-                                     reinterpret_cast<const __m256i*>(w[rr] + c)))
-                               : _mm512_loadu_si512(w[rr] + c);
-    dec.Decode(code, wv[rr]);
+    dec.Decode(LoadFp8Codes(w[rr] + c, !kTail), wv[rr]);
   }
   for (int t = 0; t < NT; ++t) {
     const float* x = acts[t].xf + c;
@@ -1403,12 +1407,8 @@ HWY_INLINE void AmxStageChunk(const Fp8Decoder& dec, const uint8_t* row, size_t 
   const bool tail = 64 * c + 64 > k;
   if constexpr (kFp8) {
     PfAhead(pf, row + 64 * c);
-    const __m512i code =
-        tail ? _mm512_zextsi256_si512(
-                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 64 * c)))
-             : _mm512_loadu_si512(row + 64 * c);
     __m512i p0, p1;
-    dec.DecodeBf16(code, p0, p1);
+    dec.DecodeBf16(LoadFp8Codes(row + 64 * c, !tail), p0, p1);
     _mm512_store_si512(s + 64 * c, p0);
     _mm512_store_si512(s + 64 * c + 32, p1);
   } else {
@@ -1707,11 +1707,7 @@ HWY_INLINE void Fp8DotRowsBf16(const uint8_t* const* w, const float* const* scal
     __m512i wv[NR][2];
     for (int rr = 0; rr < NR; ++rr) {
       PfAhead(pf, w[rr] + c);
-      const __m512i code =
-          c + 64 <= c1 ? _mm512_loadu_si512(w[rr] + c)
-                       : _mm512_zextsi256_si512(
-                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[rr] + c)));
-      dec.DecodeBf16(code, wv[rr][0], wv[rr][1]);
+      dec.DecodeBf16(LoadFp8Codes(w[rr] + c, c + 64 <= c1), wv[rr][0], wv[rr][1]);
     }
     for (int t = 0; t < NT; ++t) {
       const __m512i x0 = _mm512_loadu_si512(acts[t].xb + c);
@@ -1779,11 +1775,7 @@ MOE_FP16_FN HWY_INLINE void Fp8F16Rows(const uint8_t* const* w, size_t cols, PfD
       __m512h wv[NR][2];
       for (int rr = 0; rr < NR; ++rr) {
         PfAhead(pf, w[rr] + c);
-        // A short last chunk (32 columns): zero codes, +0 weights against zero activations.
-        const __m512i code =
-            c + 64 <= c1 ? _mm512_loadu_si512(w[rr] + c)
-                         : _mm512_zextsi256_si512(
-                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[rr] + c)));
+        const __m512i code = LoadFp8Codes(w[rr] + c, c + 64 <= c1);
         const __m512i hb = _mm512_gf2p8affine_epi64_epi8(code, hmat, 0);
         const __m512i lb = _mm512_gf2p8affine_epi64_epi8(code, lmat, 0);
         wv[rr][0] = _mm512_castsi512_ph(_mm512_unpacklo_epi8(lb, hb));
