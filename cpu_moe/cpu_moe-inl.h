@@ -2363,6 +2363,16 @@ void ForwardFormat(ForwardPlan& plan) {
   [[maybe_unused]] auto x_row32 = [&](size_t t) -> const float* {
     return x32 == nullptr ? static_cast<const float*>(plan.x) + t * H : x32 + token_slot[t] * H;
   };
+  // AMX groups' activations, packed once per call for their tiles (AmxPackGroup): x for pass 1,
+  // and h for pass 2, which the pass-1 items write as they finish their rows (AmxPutBf16). Route
+  // columns: amx_col[g] to amx_col[g + 1] (0 wide for the other groups).
+  std::vector<size_t> amx_col(plan.groups.size() + 1, 0);
+  for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
+    const int n = plan.groups[gi].end - plan.groups[gi].begin;
+    amx_col[gi + 1] = amx_col[gi] + (amx_for(n) ? n : 0);
+  }
+  // The fp16 path reads x itself (x_row32); its activation set only feeds AMX's packing.
+  const bool need_xacts = !f16 || amx_col.back() > 0;
   auto prep_x_item = [&](size_t item, int worker) {
     const size_t i = item / x_chunks;
     const size_t c0 = (item % x_chunks) * x_chunk_cols, c1 = std::min(H, c0 + x_chunk_cols);
@@ -2377,16 +2387,8 @@ void ForwardFormat(ForwardPlan& plan) {
       for (size_t j = c0; j < c1; ++j) buf[j] = common::Bf16ToFloat(xb[j]);
       xr = buf;
     }
-    xacts.PrepareRange(i, xr, c0, c1);
+    if (need_xacts) xacts.PrepareRange(i, xr, c0, c1);
   };
-  // AMX groups' activations, packed once per call for their tiles (AmxPackGroup): x for pass 1,
-  // and h for pass 2, which the pass-1 items write as they finish their rows (AmxPutBf16). Route
-  // columns: amx_col[g] to amx_col[g + 1] (0 wide for the other groups).
-  std::vector<size_t> amx_col(plan.groups.size() + 1, 0);
-  for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
-    const int n = plan.groups[gi].end - plan.groups[gi].begin;
-    amx_col[gi + 1] = amx_col[gi] + (amx_for(n) ? n : 0);
-  }
   // Overlapped passes (Options::overlap_passes): a pass-1 item also prepares its rows of h for
   // pass 2, which takes whole activation blocks (ActSet::Granule) per item.
   const bool overlap = opt.overlap_passes && pass1_rows % ActSet<F>::Granule() == 0;
