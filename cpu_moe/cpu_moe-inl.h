@@ -1845,9 +1845,6 @@ MOE_FP16_FN HWY_INLINE int Fp8F16Prepare(const float* HWY_RESTRICT x, const floa
   }
   int e = 10;
   if (!special && mx > 0.0f) std::frexp(mx, &e);
-  // Per block: s * 2^(10 - e), in double (2^(10 - e) alone can exceed float's range when M is
-  // tiny), clamped to float's range: where that clamps, the block's terms are below 2^-100 of
-  // the largest and count for nothing.
   for (size_t c0 = 0, b = 0; c0 < k; c0 += common::kFp8BlockSize, ++b) {
     // s * 2^(10 - e), in double (2^(10 - e) alone can exceed float's range when M is tiny),
     // clamped to float's range: where that clamps, the block's terms are below 2^-100 of the
@@ -1861,7 +1858,8 @@ MOE_FP16_FN HWY_INLINE int Fp8F16Prepare(const float* HWY_RESTRICT x, const floa
         const size_t j = c + 16 * a;
         const size_t n = j < k ? std::min<size_t>(16, k - j) : 0;
         const __mmask16 mk = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
-        y[a] = _mm256_castph_si256(_mm512_cvtxps_ph(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, x + j), f)));
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, x + j), f);
+        y[a] = _mm256_castph_si256(_mm512_cvtxps_ph(v));
       }
       // y[a] holds columns 16a .. 16a + 15: its low 8 go to positions 8a.., its high 8 to
       // 32 + 8a.. (Fp8Pos).

@@ -137,13 +137,13 @@ struct Options {
   // differs. ForwardStats::amx says whether it ran for any expert.
   bool amx = true;
   // fp8 banks, where bf16_dot_product applies and the CPU has AVX512-FP16 (Sapphire Rapids on;
-  // with GFNI, which all of those have):
-  // the experts that do not go through AMX are dotted with fp16 FMAs instead of vdpbf16ps (every
-  // e4m3 value is exact in fp16): 1.7-1.9x as fast on one core with the weights in L2, 1.2-1.7x
-  // with all 16 workers of the GPU machine's host cache-hot, 6-15% faster steps at T=16-64. Each route's
-  // activations are scaled per 128-row scale block so that they fit fp16's range, rounded to
-  // fp16 (11 significant bits against bf16's 8) and summed in fp16 over 256 columns, then in
-  // fp32: at most 10 * 2^-11 (0.5%) of the sum of |terms| per dot, typically about 1e-4 of it.
+  // with GFNI, which all of those have): the experts that do not go through AMX are dotted with
+  // fp16 FMAs instead of vdpbf16ps (every e4m3 value is exact in fp16): 1.7-2.2x as fast on one
+  // core with the weights in L2, 1.2-1.7x with all 16 workers of the GPU machine's host
+  // cache-hot, 7-14% faster steps at T=1-64 side by side. Each route's activations are scaled
+  // per 128-row scale block so that they fit fp16's range, rounded to fp16 (11 significant bits
+  // against bf16's 8) and summed in fp16 over 256 columns, then in fp32: at most 10 * 2^-11
+  // (0.5%) of the sum of |terms| per dot, typically about 1e-4 of it.
   // e4m3's NaN codes (0x7F, 0xFF) read as +-480 there, as in the F16C kernels of the other
   // targets. ForwardStats::fp8_fp16 says whether it ran.
   bool fp8_fp16 = true;

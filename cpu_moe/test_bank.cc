@@ -197,8 +197,8 @@ double F16Ulp(double v) {
 
 // Fp8F16Prepare (cpu_moe-inl.h) in scalar code: xp[c] = fp16(float(x[c] * f_b)), f_b the block
 // scale times 2^(10 - e), with the same float operations; returns e.
-MOE_TEST_FP16 int EmulateF16Prepare(const float* x, const float* srow, size_t k, std::vector<double>* xp,
-                      std::vector<double>* f) {
+MOE_TEST_FP16 int EmulateF16Prepare(const float* x, const float* srow, size_t k,
+                                    std::vector<double>* xp, std::vector<double>* f) {
   constexpr size_t kB = common::kFp8BlockSize;
   const size_t bcols = (k + kB - 1) / kB;
   float mx = 0.0f;

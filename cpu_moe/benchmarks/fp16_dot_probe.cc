@@ -89,7 +89,8 @@ __attribute__((noinline)) void Table() {
           wv[a][1] = _mm512_unpackhi_epi8(l, h);
         }
         for (int t = 0; t < NT; ++t) {
-          const __m512i x0 = _mm512_load_si512(g_xb[t] + c), x1 = _mm512_load_si512(g_xb[t] + c + 32);
+          const __m512i x0 = _mm512_load_si512(g_xb[t] + c);
+          const __m512i x1 = _mm512_load_si512(g_xb[t] + c + 32);
           for (int a = 0; a < 2; ++a) {
             acc[a][t] = _mm512_dpbf16_ps(acc[a][t], (__m512bh)wv[a][0], (__m512bh)x0);
             acc[a][t] = _mm512_dpbf16_ps(acc[a][t], (__m512bh)wv[a][1], (__m512bh)x1);
@@ -153,11 +154,12 @@ __attribute__((noinline)) void F16() {
         for (int t = 0; t < NT; ++t) {
           const __m256h f = _mm256_add_ph(
               _mm512_castph512_ph256(acc[a][t]),
-              _mm256_castsi256_ph(_mm512_maskz_extracti64x4_epi64(0xFF, _mm512_castph_si512(acc[a][t]), 1)));
+              _mm256_castsi256_ph(
+                  _mm512_maskz_extracti64x4_epi64(0xFF, _mm512_castph_si512(acc[a][t]), 1)));
           const __m512 v = _mm512_cvtxph_ps(f);
-          tot[a][t] = kScaleAtFlush
-                          ? _mm512_fmadd_ps(v, _mm512_set1_ps(256.0f * g_scale[c0 / 128]), tot[a][t])
-                          : _mm512_add_ps(tot[a][t], v);
+          const __m512 s = _mm512_set1_ps(256.0f * g_scale[c0 / 128]);
+          tot[a][t] =
+              kScaleAtFlush ? _mm512_fmadd_ps(v, s, tot[a][t]) : _mm512_add_ps(tot[a][t], v);
         }
       }
     }
