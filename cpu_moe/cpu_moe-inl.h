@@ -1947,6 +1947,43 @@ struct F16Scratch {
   }
 };
 
+// The routes' activations of one fp16 pass-1 or pass-2 item: each route's fp32 row (m.cols
+// long) with its block maxima, prepared per 128-row scale block of m (expert e) on demand.
+class F16Acts {
+ public:
+  MOE_FP16_FN F16Acts(const MatrixRef& m, size_t e, const float* const* x, int nc)
+      : m_(m),
+        x_(x),
+        nc_(nc),
+        bcols_((m.cols + common::kFp8BlockSize - 1) / common::kFp8BlockSize),
+        scales_(static_cast<const float*>(m.scales) +
+                e * ((m.rows + common::kFp8BlockSize - 1) / common::kFp8BlockSize) * bcols_),
+        s_(nc, (m.cols + 63) / 64 * 64, bcols_) {
+    for (int i = 0; i < nc; ++i) BlockAbsMax(x[i], m.cols, s_.xmax + i * bcols_);
+  }
+
+  // Dots rows [a, b) of m (all in scale block a / 128) with the routes: store(row, i, dot).
+  template <class Store>
+  MOE_FP16_FN HWY_INLINE void Rows(size_t e, size_t a, size_t b, const Store& store) {
+    const size_t rb = a / common::kFp8BlockSize;
+    for (int i = 0; i < nc_; ++i) {
+      post_[i] = Pow2(Fp8F16Prepare(x_[i], s_.xmax + i * bcols_, scales_ + rb * bcols_, m_.cols,
+                                    s_.xh[i]) - 2);
+    }
+    Fp8F16RowRange(m_, e, a, b, s_.xh, nc_,
+                   [&](size_t row, int i, float v) { store(row, i, post_[i].Apply(v)); });
+  }
+
+ private:
+  const MatrixRef& m_;
+  const float* const* x_;
+  int nc_;
+  size_t bcols_;
+  const float* scales_;
+  F16Scratch s_;
+  Pow2 post_[64];
+};
+
 // Pass 1 through fp16: rows [r0, r1) of the gate half (rows r) and of the up half (rows I + r)
 // of m (gate_up, expert e) against the nc (<= 64) routes' x rows x[i] (fp32, m.cols long):
 // hrow[i][r] = the gate dot, urow[i][r] = the up dot.
@@ -1954,26 +1991,12 @@ MOE_FP16_FN HWY_NOINLINE void Fp8F16Pass1(const MatrixRef& m, size_t e, size_t I
                                           size_t r1, const float* const* x, int nc,
                                           float* const* hrow, float* const* urow) {
   constexpr size_t kB = common::kFp8BlockSize;
-  const size_t k = m.cols, bcols = (k + kB - 1) / kB, brows = (m.rows + kB - 1) / kB;
-  F16Scratch s(nc, (k + 63) / 64 * 64, bcols);
-  for (int i = 0; i < nc; ++i) BlockAbsMax(x[i], k, s.xmax + i * bcols);
-  const float* scales = static_cast<const float*>(m.scales) + e * brows * bcols;
-  Pow2 post[64];
+  F16Acts acts(m, e, x, nc);
   for (size_t a = r0; a < r1;) {
     // Rows where both the gate's and the up half's scale block stay the same.
     const size_t b = std::min({r1, (a / kB + 1) * kB, ((I + a) / kB + 1) * kB - I});
-    for (int set = 0; set < 2; ++set) {
-      const size_t row0 = set == 0 ? 0 : I;
-      const size_t rb = (row0 + a) / kB;
-      for (int i = 0; i < nc; ++i) {
-        post[i] =
-            Pow2(Fp8F16Prepare(x[i], s.xmax + i * bcols, scales + rb * bcols, k, s.xh[i]) - 2);
-      }
-      float* const* out = set == 0 ? hrow : urow;
-      Fp8F16RowRange(m, e, row0 + a, row0 + b, s.xh, nc, [&](size_t row, int i, float v) {
-        out[i][row - row0] = post[i].Apply(v);
-      });
-    }
+    acts.Rows(e, a, b, [&](size_t row, int i, float v) { hrow[i][row] = v; });
+    acts.Rows(e, I + a, I + b, [&](size_t row, int i, float v) { urow[i][row - I] = v; });
     a = b;
   }
 }
@@ -1984,20 +2007,10 @@ MOE_FP16_FN HWY_NOINLINE void Fp8F16Pass2(const MatrixRef& m, size_t e, size_t h
                                           const float* const* hin, const float* wt, int nc,
                                           float* const* dst) {
   constexpr size_t kB = common::kFp8BlockSize;
-  const size_t k = m.cols, bcols = (k + kB - 1) / kB, brows = (m.rows + kB - 1) / kB;
-  F16Scratch s(nc, (k + 63) / 64 * 64, bcols);
-  for (int i = 0; i < nc; ++i) BlockAbsMax(hin[i], k, s.xmax + i * bcols);
-  const float* scales = static_cast<const float*>(m.scales) + e * brows * bcols;
-  Pow2 post[64];
+  F16Acts acts(m, e, hin, nc);
   for (size_t a = h0; a < h1;) {
     const size_t b = std::min(h1, (a / kB + 1) * kB);
-    for (int i = 0; i < nc; ++i) {
-      post[i] = Pow2(
-          Fp8F16Prepare(hin[i], s.xmax + i * bcols, scales + (a / kB) * bcols, k, s.xh[i]) - 2);
-    }
-    Fp8F16RowRange(m, e, a, b, s.xh, nc, [&](size_t row, int i, float v) {
-      dst[i][row] = wt[i] * post[i].Apply(v);
-    });
+    acts.Rows(e, a, b, [&](size_t row, int i, float v) { dst[i][row] = wt[i] * v; });
     a = b;
   }
 }
