@@ -49,7 +49,7 @@ HWY_BEFORE_NAMESPACE();
 #pragma GCC target("avx512bf16")
 // AMX tiles (tdpbf16ps) likewise run only when Forward found AMX-TILE and AMX-BF16 and Linux
 // granted the tile state (ForwardPlan::amx).
-#pragma GCC target("amx-tile,amx-bf16,amx-int8")
+#pragma GCC target("amx-tile,amx-bf16")
 #endif
 namespace moe {
 namespace cpu_moe {
@@ -1511,19 +1511,6 @@ HWY_INLINE void AmxRowsTile(const uint16_t* sa, const uint16_t* sb, size_t spitc
 }
 #undef MOE_AMX_FLUSH
 
-// PanelAmx's tiles: 0: C (rows x 16 int32), 4: A (rows x 64 bytes), 6: B (16 x 64 bytes).
-HWY_INLINE void AmxInt8Configure(int rows) {
-  AmxTileConfig c{};
-  c.palette = 1;
-  c.rows[0] = static_cast<uint8_t>(rows);
-  c.colsb[0] = 64;
-  c.rows[4] = static_cast<uint8_t>(rows);
-  c.colsb[4] = 64;
-  c.rows[6] = 16;
-  c.colsb[6] = 64;
-  _tile_loadconfig(&c);
-}
-
 // The AMX state of a Forward call's work item: configures the tiles for (m, nr) when they
 // change, and releases them when the item is done.
 class AmxScope {
@@ -1534,19 +1521,11 @@ class AmxScope {
   ~AmxScope() {
     if (m_ >= 0) _tile_release();
   }
-  // tdpbf16ps tiles for m rows and nr routes (AmxConfigure).
   void Configure(int m, int nr) {
     if (m == m_ && nr == nr_) return;
     AmxConfigure(m, nr);
     m_ = m;
     nr_ = nr;
-  }
-  // PanelAmx's tiles for A and C of `rows` rows (AmxInt8Configure; m_ = 0 marks them).
-  void ConfigureInt8(int rows) {
-    if (m_ == 0 && nr_ == rows) return;
-    AmxInt8Configure(rows);
-    m_ = 0;
-    nr_ = rows;
   }
 
  private:
@@ -1678,167 +1657,6 @@ HWY_INLINE void AmxDotRows(const MatrixRef& mat, size_t e, size_t a_row0, long b
     j0 += m;
     cur = next;
     buf ^= 1;
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// 4-bit panels through AMX int8 tiles (ForwardPlan::amx_int8): experts with at least
-// amx_int8_min_routes routes, on CPUs with AMX-INT8.
-//
-// PanelDot spends 8 vpdpbusd per route on every 32-column block of a panel (16 rows), and the
-// GPU machine's host issues vpdpbusd at about half its FMA rate (one port), so with several
-// routes per expert those dominate. Here one tdpbsud per 64-column chunk (two blocks) does
-// them for up to 8 routes (nvfp4: 4):
-//   B = the chunk's decoded weights, 16 rows of 64 bytes: row g is PanelDot's vector w[g] of
-//       the chunk's first block (g < 8) or w[g - 8] of its second, i.e. columns 4g..4g+3 of
-//       the panel's 16 rows, unsigned codes;
-//   A = kJ rows per route: row (i, j) holds route i's int8 codes of the chunk's sub-block j
-//       (32 columns; nvfp4: 16, one per scale) and zeros elsewhere, so that
-//   C = row (i, j): route i's int32 sums of the 16 panel rows over sub-block j alone, the very
-//       integers PanelDot's int32 chains reach (less the offset term, added after).
-// Each C is stored and turned into fp32 by the same operations as PanelDot (the offset term,
-// the conversion, times weight scale x activation scale, added into the route's accumulator
-// in block order), so y is bit-identical to the vector kernels'.
-//
-// A C tile stored by AMX and read back by vector loads, or B staged by vector stores and loaded
-// by AMX, waits for the stores to complete; so the steps (panel, chunk) run as a pipeline:
-// step s is decoded (V), its tiles run two steps later (T), and its sums are scaled four steps
-// later (F), through rings of 4 staging and C buffers. Panels go two at a time, their chunks
-// alternating (two weight streams, as PanelDot reads them).
-
-// Sub-blocks of a 64-column chunk with their own scale: 2 (4 for nvfp4's 16-column blocks).
-template <common::WeightFormat F>
-constexpr int AmxInt8SubBlocks() {
-  return F == common::WeightFormat::kNvfp4 ? 4 : 2;
-}
-
-// out(p, i)[j] = scale[i] * dot(row 16 panels[p] + j of expert e of m, acts[i]) for p < np,
-// i < nr (<= 16 / AmxInt8SubBlocks<F>()), j < 16, as PanelDot computes it. The tiles must be
-// configured by AmxInt8Configure(nr * AmxInt8SubBlocks<F>()).
-template <common::WeightFormat F, class Out>
-HWY_INLINE void PanelAmx(const MatrixRef& m, size_t e, const size_t* panels, size_t np,
-                         const ActView* acts, const float* scale, int nr, const Out& out) {
-  const hn::ScalableTag<float> df;
-  const hn::RebindToSigned<decltype(df)> di32;
-  const hn::ScalableTag<uint8_t> d8;
-  constexpr bool kNv = F == common::WeightFormat::kNvfp4;
-  constexpr int kH = kNv ? 2 : 1;  // scales per block
-  constexpr int kJ = AmxInt8SubBlocks<F>();
-  constexpr size_t kSub = 64 / kJ;  // columns per sub-block
-  constexpr size_t kSb = PanelScaleBytes<F>();
-  constexpr size_t kGrp = 64 / kSb;
-  const size_t k = m.cols, nb = k / 32, nch = (nb + 1) / 2;
-  const int rows = nr * kJ;
-  const size_t pf = m.prefetch.l1, pf2 = m.prefetch.l2;
-  const uint8_t* base =
-      static_cast<const uint8_t*>(m.weights) + e * (m.rows / 16) * PanelBytes<F>(k);
-  // A for every chunk: chunk c's rows at apack + 64 rows c.
-  static thread_local common::AlignedBuffer<int8_t> abuf;
-  const size_t abytes = nch * 64 * 16;
-  if (abuf.size() < abytes) abuf = common::AlignedBuffer<int8_t>(abytes);
-  int8_t* const apack = abuf.data();
-  std::memset(apack, 0, nch * 64 * rows);
-  for (size_t c = 0; c < nch; ++c) {
-    for (int i = 0; i < nr; ++i) {
-      for (int j = 0; j < kJ; ++j) {
-        const size_t col = 64 * c + kSub * j;
-        if (col >= k) break;
-        std::memcpy(apack + 64 * (rows * c + kJ * i + j) + kSub * j, acts[i].q + col, kSub);
-      }
-    }
-  }
-  alignas(64) uint8_t stage[4][1024];
-  alignas(64) int32_t cbuf[4][256];
-  alignas(64) float acc[2][16][16];
-  const size_t pairs = np / 2, nsteps = np * nch;
-  // Step s -> panel index p (into panels) and chunk c.
-  auto step = [&](size_t s, size_t& p, size_t& c) {
-    if (s < 2 * nch * pairs) {
-      p = 2 * (s / (2 * nch)) + s % 2;
-      c = (s % (2 * nch)) / 2;
-    } else {
-      p = np - 1;
-      c = s - 2 * nch * pairs;
-    }
-  };
-  const auto mask = hn::Set(d8, 0x0F);
-  // V: decodes step s into stage[s % 4] (a last chunk of one block leaves rows 8..15 as they
-  // are: A's columns 32..63 are zero there).
-  auto decode = [&](size_t s) {
-    size_t p, c;
-    step(s, p, c);
-    uint8_t* st = stage[s % 4];
-    for (size_t b = 2 * c; b < std::min(nb, 2 * c + 2); ++b) {
-      const size_t g0 = b & ~(kGrp - 1);
-      const uint8_t* w = base + panels[p] * PanelBytes<F>(k) + 256 * b + kSb * g0;
-      if (pf != 0) {
-        for (size_t o = 0; o < 320; o += 64) Pf(w + pf + o);
-        if (pf2 != 0) {
-          for (size_t o = 0; o < 320; o += 64) PfL2(w + pf2 + o);
-        }
-      }
-      uint8_t* sb = st + 512 * (b - 2 * c);
-      for (int v = 0; v < 4; ++v) {
-        const auto raw = hn::LoadU(d8, w + 64 * v);
-        if constexpr (F != common::WeightFormat::kQ4_0) {
-          const __m512i lut64 = _mm512_load_si512(reinterpret_cast<const void*>(kFp4Lut64));
-          _mm512_store_si512(sb + 128 * v, _mm512_permutexvar_epi8(raw.raw, lut64));
-          _mm512_store_si512(sb + 128 * v + 64,
-                             _mm512_permutexvar_epi8(_mm512_srli_epi16(raw.raw, 4), lut64));
-        } else {
-          hn::Store(hn::And(raw, mask), d8, sb + 128 * v);
-          hn::Store(hn::And(hn::ShiftRight<4>(raw), mask), d8, sb + 128 * v + 64);
-        }
-      }
-    }
-  };
-  // T: the tile product of step s, stored to cbuf[s % 4].
-  auto tiles = [&](size_t s) {
-    size_t p, c;
-    step(s, p, c);
-    _tile_loadd(6, stage[s % 4], 64);
-    _tile_loadd(4, apack + 64 * rows * c, 64);
-    _tile_zero(0);
-    _tile_dpbsud(0, 4, 6);
-    _tile_stored(0, cbuf[s % 4], 64);
-  };
-  // F: step s's sums into its panel's accumulators (PanelDot's operations, in block order);
-  // after the panel's last block, its outputs.
-  auto flush = [&](size_t s) {
-    size_t p, c;
-    step(s, p, c);
-    float(*ac)[16] = acc[p % 2];
-    for (size_t b = 2 * c; b < std::min(nb, 2 * c + 2); ++b) {
-      const size_t g0 = b & ~(kGrp - 1);
-      const size_t n = std::min(kGrp, nb - g0);
-      const uint8_t* sc = base + panels[p] * PanelBytes<F>(k) + (256 + kSb) * g0 + 256 * n +
-                          kSb * (b - g0);
-      hn::Vec<decltype(df)> ws[kH];
-      ws[0] = PanelScales<F>(df, sc);
-      if constexpr (kNv) ws[1] = PanelScales<F>(df, sc + 16);
-      for (int i = 0; i < nr; ++i) {
-        const int8_t* q = acts[i].q;
-        const auto xv = hn::Set(df, reinterpret_cast<const float*>(q + k)[b]);
-        const int32_t* neg = reinterpret_cast<const int32_t*>(q + k + k / 8) + 2 * b;
-        auto a = b == 0 ? hn::Zero(df) : hn::Load(df, ac[i]);
-        for (int h = 0; h < kH; ++h) {
-          const int32_t* cs = cbuf[s % 4] + 16 * (kJ * i + kH * (b - 2 * c) + h);
-          const auto sum =
-              hn::Add(hn::Load(di32, cs), hn::Set(di32, kNv ? neg[h] : neg[0] + neg[1]));
-          a = hn::MulAdd(hn::ConvertTo(df, sum), hn::Mul(ws[h], xv), a);
-        }
-        if (b + 1 == nb) {
-          hn::StoreU(hn::Mul(a, hn::Set(df, scale[i])), df, out(p, i));
-        } else {
-          hn::Store(a, df, ac[i]);
-        }
-      }
-    }
-  };
-  for (size_t s = 0; s < nsteps + 4; ++s) {
-    if (s < nsteps) decode(s);
-    if (s >= 2 && s - 2 < nsteps) tiles(s - 2);
-    if (s >= 4) flush(s - 4);
   }
 }
 #endif
@@ -2463,13 +2281,6 @@ HWY_INLINE void WaitForZero(const std::atomic<T>& v) {
 }
 
 // kBf16Dot: bf16 by the CPU's bf16 dot product (ForwardPlan::bf16_dot_product).
-// The AMX tile state of a work item whose 4-bit panels go through PanelAmx (none elsewhere).
-#if HWY_TARGET == HWY_AVX3_DL
-using AmxInt8Scope = AmxScope;
-#else
-struct AmxInt8Scope {};
-#endif
-
 template <common::WeightFormat F, bool kBf16Dot = false>
 void ForwardFormat(ForwardPlan& plan) {
   const ExpertBank& bank = *plan.bank;
@@ -2647,8 +2458,6 @@ void ForwardFormat(ForwardPlan& plan) {
     float* const out[4] = {gs, us, gs2, us2};
     const int streams = streams_for(n);
     const bool use_amx = amx_for(n);
-    const bool use_amx8 = panels && plan.UsesAmxInt8(n);
-    [[maybe_unused]] AmxInt8Scope amx8;
     const bool f16_item = f16 && !use_amx;
     const bool vec_done = use_amx || f16_item;  // rows not dotted by the loops below
     // Panel banks with four streams: gate and up panels of r and of r + panel_half together
@@ -2707,29 +2516,7 @@ void ForwardFormat(ForwardPlan& plan) {
       }
 #endif
       if constexpr (IsQuant<F>()) {
-#if HWY_TARGET == HWY_AVX3_DL
-        if (use_amx8) {
-          // Each gate panel with its up panel, all of the item's in one pipeline.
-          float post[64];
-          std::fill(post, post + nc, PanelPost<F>(gate_up, g.expert));
-          size_t pn[2 * Options::kMaxRowsPerItem / 16];
-          size_t np = 0;
-          for (size_t r = r0; r < r1; r += 16) {
-            pn[np++] = r / 16;
-            pn[np++] = (I + r) / 16;
-          }
-          constexpr int kSub = 16 / AmxInt8SubBlocks<F>();
-          for (int s0 = 0; s0 < nc; s0 += kSub) {
-            const int nr = std::min(kSub, nc - s0);
-            amx8.ConfigureInt8(nr * AmxInt8SubBlocks<F>());
-            PanelAmx<F>(gate_up, g.expert, pn, np, acts + s0, post + s0, nr,
-                        [&](size_t p, int i) {
-                          return (p % 2 == 0 ? hrow : urow)[s0 + i] + r0 + 16 * (p / 2);
-                        });
-          }
-        }
-#endif
-        if (panels && !use_amx8) {
+        if (panels) {
           // A gate panel with its up panel: 16 rows of each per PanelDot.
           float post[64];
           std::fill(post, post + nc, PanelPost<F>(gate_up, g.expert));
@@ -2818,8 +2605,6 @@ void ForwardFormat(ForwardPlan& plan) {
     // pairs p, p + h (h = what is left / 2) of the rest; with two streams only the pairs.
     const int n = g.end - g.begin;
     const bool use_amx = amx_for(n);
-    const bool use_amx8 = panels && plan.UsesAmxInt8(n);
-    [[maybe_unused]] AmxInt8Scope amx8;
     const bool f16_item = f16 && !use_amx;
     const size_t q = streams_for(n) == 4 && !use_amx && !panels && !f16_item ? (h1 - h0) / 4 : 0;
     const size_t p0 = h0 + 4 * q;
@@ -2875,23 +2660,7 @@ void ForwardFormat(ForwardPlan& plan) {
       }
 #endif
       if constexpr (IsQuant<F>()) {
-#if HWY_TARGET == HWY_AVX3_DL
-        if (use_amx8) {
-          float scale[64];
-          const float post = PanelPost<F>(down, g.expert);
-          for (int i = 0; i < nc; ++i) scale[i] = post * wt[i];
-          size_t pn[Options::kMaxRowsPerItem / 16];
-          for (size_t p = 0; p < np; ++p) pn[p] = ph0 + p;
-          constexpr int kSub = 16 / AmxInt8SubBlocks<F>();
-          for (int s0 = 0; s0 < nc; s0 += kSub) {
-            const int nr = std::min(kSub, nc - s0);
-            amx8.ConfigureInt8(nr * AmxInt8SubBlocks<F>());
-            PanelAmx<F>(down, g.expert, pn, np, acts + s0, scale + s0, nr,
-                        [&](size_t p, int i) { return dst[s0 + i] + 16 * pn[p]; });
-          }
-        }
-#endif
-        if (panels && !use_amx8) {
+        if (panels) {
           float scale[64];
           const float post = PanelPost<F>(down, g.expert);
           for (int i = 0; i < nc; ++i) scale[i] = post * wt[i];

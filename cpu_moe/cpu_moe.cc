@@ -84,31 +84,14 @@ int64_t BestTarget(int64_t targets) { return targets & -targets; }
 // AMX-TILE and AMX-BF16, and Linux's permission for the tile data state (arch_prctl
 // ARCH_REQ_XCOMP_PERM, process-wide, requested once: without it the first tile instruction
 // faults). Like the other CPU features, it does not change while the process runs.
-bool AmxTileState() {
+bool AmxAvailable() {
 #if defined(__x86_64__) && defined(__linux__)
   static const bool ok = [] {
-    if (!__builtin_cpu_supports("amx-tile")) return false;
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
     constexpr long kArchReqXcompPerm = 0x1023;
     constexpr long kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
-  return ok;
-#else
-  return false;
-#endif
-}
-bool AmxAvailable() {
-#if defined(__x86_64__) && defined(__linux__)
-  static const bool ok = __builtin_cpu_supports("amx-bf16") && AmxTileState();
-  return ok;
-#else
-  return false;
-#endif
-}
-// AMX-INT8 (tdpbsud) with the tile state.
-bool AmxInt8Available() {
-#if defined(__x86_64__) && defined(__linux__)
-  static const bool ok = __builtin_cpu_supports("amx-int8") && AmxTileState();
   return ok;
 #else
   return false;
@@ -347,7 +330,6 @@ Options ResolveTuning(const Options& options, WeightFormat format, Layout layout
   // steps 7-8.5% faster, while uniform routing (which rarely gives an expert 12 routes) stayed
   // within 3% (benchmarks/h200host_tuning_2026-11-30_session7.md).
   if (o.amx_min_routes == Options::kAuto) o.amx_min_routes = format == WeightFormat::kBf16 ? 12 : 5;
-  if (o.amx_int8_min_routes == Options::kAuto) o.amx_int8_min_routes = 0;
   const bool four_bit = format == WeightFormat::kQ4_0 || format == WeightFormat::kNvfp4 ||
                         format == WeightFormat::kMxfp4;
   // Side-by-side runs on the GPU machine's host (cpu_moe_bench --ab, 2026-11-30, see
@@ -475,11 +457,6 @@ absl::Status ValidateTuning(const Options& o) {
                                                    " must be >= 0 (0: no expert through AMX) "
                                                    "or -1 (auto)"));
   }
-  if (o.amx_int8_min_routes < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("amx_int8_min_routes (MOE_CPU_AMX_INT8_MIN_ROUTES) = ", o.amx_int8_min_routes,
-                     " must be >= 0 (0: no expert through AMX int8) or -1 (auto)"));
-  }
   if (o.row_streams != Options::kAuto && o.row_streams != 2 && o.row_streams != 4) {
     return absl::InvalidArgumentError(absl::StrCat("row_streams (MOE_CPU_ROW_STREAMS) = ",
                                                    o.row_streams, " must be 2, 4 or -1 (auto)"));
@@ -562,7 +539,6 @@ Options Options::FromEnv() {
   EnvFlag("MOE_CPU_BF16_DOT", &o.bf16_dot_product);
   EnvFlag("MOE_CPU_AMX", &o.amx);
   EnvInt("MOE_CPU_AMX_MIN_ROUTES", &o.amx_min_routes);
-  EnvInt("MOE_CPU_AMX_INT8_MIN_ROUTES", &o.amx_int8_min_routes);
   EnvFlag("MOE_CPU_FP8_FP16", &o.fp8_fp16);
   if (const char* t = std::getenv("MOE_CPU_MAX_TARGET"); t != nullptr) o.max_target = t;
   if (const char* v = std::getenv("MOE_CPU_ONEDNN_MIN_TOKENS"); v != nullptr && *v != '\0') {
@@ -595,10 +571,6 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
                    (bank.format == WeightFormat::kFp8Block || bank.format == WeightFormat::kBf16);
   const bool fp8_fp16 = bf16_dot_cpu && bank.format == WeightFormat::kFp8Block &&
                         options.fp8_fp16 && CpuHasAvx512Fp16();
-  const bool amx_int8 = target == HWY_AVX3_DL && bank.layout == Layout::kPanels &&
-                        (bank.format == WeightFormat::kQ4_0 || bank.format == WeightFormat::kMxfp4 ||
-                         bank.format == WeightFormat::kNvfp4) &&
-                        AmxInt8Available();
   const Options resolved = ResolveTuning(options, bank.format, bank.layout, fp8_fp16);
   RETURN_IF_ERROR(ValidateTuning(resolved));
   if (num_tokens < 0 || top_k <= 0) {
@@ -630,8 +602,6 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   plan.amx = amx && resolved.amx_min_routes > 0;
   plan.fp8_fp16 = fp8_fp16;
   plan.amx_min_routes = resolved.amx_min_routes;
-  plan.amx_int8 = amx_int8 && resolved.amx_int8_min_routes > 0;
-  plan.amx_int8_min_routes = resolved.amx_int8_min_routes;
   plan.token_route_begin.assign(num_tokens + 1, 0);
   plan.route_token.reserve(routes_total);
   plan.route_expert.reserve(routes_total);
@@ -685,11 +655,9 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   const int all_unique = unique + onednn.experts;
   const bool bf16_dot_ran = plan.bf16_dot_product && num_routes > 0;
   bool amx_ran = false;
-  bool amx_int8_ran = false;
   bool fp16_ran = false;
   for (const internal::ExpertGroup& g : plan.groups) {
     amx_ran |= plan.UsesAmx(g.end - g.begin);
-    amx_int8_ran |= plan.UsesAmxInt8(g.end - g.begin);
     fp16_ran |= plan.fp8_fp16 && !plan.UsesAmx(g.end - g.begin);
   }
   if (stats != nullptr) {
@@ -700,18 +668,16 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
     stats->onednn_experts = onednn.experts;
     stats->bf16_dot_product = bf16_dot_ran;
     stats->amx = amx_ran;
-    stats->amx_int8 = amx_int8_ran;
     stats->fp8_fp16 = fp16_ran;
   }
   if (options.debug) {
     std::fprintf(stderr,
                  "cpu_moe: T=%d routes=%d unique_experts=%d reuse=%.3f dedup=%d target=%s "
-                 "bf16_dot=%d amx=%d amx_int8=%d fp8_fp16=%d onednn_experts=%d "
-                 "onednn_routes=%d\n",
+                 "bf16_dot=%d amx=%d fp8_fp16=%d onednn_experts=%d onednn_routes=%d\n",
                  num_tokens, all_routes, all_unique,
                  all_unique > 0 ? static_cast<double>(all_routes) / all_unique : 0.0,
                  dedup ? 1 : 0, target_name, bf16_dot_ran ? 1 : 0, amx_ran ? 1 : 0,
-                 amx_int8_ran ? 1 : 0, fp16_ran ? 1 : 0, onednn.experts,
+                 fp16_ran ? 1 : 0, onednn.experts,
                  onednn.routes);
   }
 

@@ -150,14 +150,6 @@ struct Options {
   // Routes an expert needs in a call to go through AMX; 0: none. kAuto: 5 for fp8 and 12 for
   // bf16, as measured side by side on the GPU machine's host (see ResolveTuning).
   int amx_min_routes = -1;
-  // 4-bit banks in panels (q4_0, mxfp4, nvfp4; Layout::kPanels) on the AVX3_DL target, where the
-  // CPU has AMX-TILE and AMX-INT8 and Linux grants the tile state: experts with at least this
-  // many routes in a call take their integer dot products from AMX tiles (tdpbsud: one per
-  // 32-column block of 16 rows for up to 16 routes) instead of vpdpbusd (8 per block and
-  // route). The tiles produce the same int32 sums and the scaling after them is the same chain
-  // of operations, so y is bit-identical either way. 0: never. kAuto: 0 (not measured yet).
-  // ForwardStats::amx_int8 says whether it ran for any expert.
-  int amx_int8_min_routes = -1;
   // Highway target name ("AVX3_DL", "AVX3", "AVX2", "SSE4", ...) to cap dispatch at; empty: the
   // best target the CPU supports. A cap naming a supported target runs exactly that target.
   std::string max_target;
@@ -221,7 +213,6 @@ struct Options {
   //   MOE_CPU_DEDUP=0 turns dedup off, MOE_CPU_OVERLAP=0 turns overlap_passes off,
   //   MOE_CPU_BLOCK_LANE=0 turns block_lane off, MOE_CPU_BF16_DOT=0 turns bf16_dot_product
   //   off, MOE_CPU_AMX=0 turns amx off, MOE_CPU_AMX_MIN_ROUTES=<n> sets amx_min_routes,
-  //   MOE_CPU_AMX_INT8_MIN_ROUTES=<n> sets amx_int8_min_routes,
   //   MOE_CPU_FP8_FP16=0 turns fp8_fp16 off,
   //   MOE_CPU_DEBUG=1 turns debug on,
   //   MOE_CPU_MAX_TARGET=<name> caps the target,
@@ -245,8 +236,6 @@ struct ForwardStats {
   bool bf16_dot_product = false;
   // AMX tiles ran for at least one expert (Options::amx); with it bf16_dot_product is true.
   bool amx = false;
-  // Some expert's 4-bit panels went through AMX int8 tiles (Options::amx_int8_min_routes).
-  bool amx_int8 = false;
   // fp8's fp16 kernels ran for at least one expert (Options::fp8_fp16); with it
   // bf16_dot_product is true (the experts through AMX, if any, took bf16-rounded activations).
   bool fp8_fp16 = false;

@@ -152,67 +152,6 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
   }
 }
 
-// 4-bit panel banks through AMX int8 tiles (Options::amx_int8_min_routes): y bit for bit equal
-// to the vpdpbusd kernels' for every 4-bit format, every threshold, groups of more than 16
-// routes (several tile subgroups), odd panel counts per item and odd block counts (kH = 480:
-// 15 blocks, kI = 288: 9), with and without dedup. Where the CPU has AMX-INT8 (AVX3_DL),
-// ForwardStats::amx_int8 must say that the tiles ran; elsewhere the option changes nothing.
-TEST(CpuMoeTuningTest, AmxInt8PanelsAreBitIdentical) {
-  common::ThreadPool pool(2);
-#if defined(__x86_64__)
-  const bool cpu_amx_int8 = __builtin_cpu_supports("amx-int8");
-#else
-  const bool cpu_amx_int8 = false;
-#endif
-  for (WeightFormat f : {WeightFormat::kQ4_0, WeightFormat::kMxfp4, WeightFormat::kNvfp4}) {
-    const HostBank hb = MakeRandomBank(f, kE, kH, kI, 77 + static_cast<int>(f), false);
-    absl::StatusOr<std::unique_ptr<PanelBank>> pb = PackPanels(hb.bank);
-    ASSERT_TRUE(pb.ok()) << pb.status();
-    const ExpertBank& bank = (*pb)->bank;
-    for (const std::string& target : AvailableTargets()) {
-      for (int T : {1, 5, 16, 64}) {
-        const Case c = MakeCase(T, 300 + T);
-        for (bool dedup : {true, false}) {
-          Options base;
-          base.max_target = target;
-          base.dedup = dedup;
-          base.amx_int8_min_routes = 0;
-          const std::vector<float> y0 = RunForward(bank, T, c, base, pool);
-          struct Rows {
-            int pass1, pass2;
-          };
-          for (int min_routes : {1, 2, 3}) {
-            for (const Rows& r : {Rows{Options::kAuto, Options::kAuto}, Rows{48, 48},
-                                  Rows{16, 32}, Rows{Options::kMaxRowsPerItem, 96}}) {
-              Options o = base;
-              o.amx_int8_min_routes = min_routes;
-              o.pass1_rows = r.pass1;
-              o.pass2_rows = r.pass2;
-              std::vector<float> y(c.x.size(), 0.0f);
-              ForwardStats stats;
-              const absl::Status st = Forward(bank, T, kTopK, c.ids, c.weights, c.x,
-                                              absl::MakeSpan(y), o, pool, &stats);
-              ASSERT_TRUE(st.ok()) << st;
-              EXPECT_EQ(std::memcmp(y.data(), y0.data(), y.size() * sizeof(float)), 0)
-                  << common::WeightFormatName(f) << " " << target << " T=" << T
-                  << " dedup=" << dedup << " min_routes=" << min_routes << " pass1=" << r.pass1
-                  << " pass2=" << r.pass2;
-              const bool expect =
-                  cpu_amx_int8 && target == "AVX3_DL" && (min_routes == 1 || (dedup && T >= 16));
-              if (expect) {
-                EXPECT_TRUE(stats.amx_int8) << target << " T=" << T;
-              }
-              if (!cpu_amx_int8 || target != "AVX3_DL") {
-                EXPECT_FALSE(stats.amx_int8);
-              }
-            }
-          }
-        }
-      }
-    }
-  }
-}
-
 TEST(CpuMoeTuningTest, BadValuesAreInvalidArgument) {
   common::ThreadPool pool(2);
   const HostBank hb = MakeRandomBank(WeightFormat::kBf16, 4, 64, 32, 1, false);

@@ -44,12 +44,6 @@ struct ForwardPlan {
   // Whether an expert with `routes` routes in this call goes through AMX (the one rule that both
   // the kernels and ForwardStats::amx follow).
   bool UsesAmx(int routes) const { return amx && routes >= amx_min_routes; }
-  // 4-bit panel banks on the AVX3_DL target of a CPU with AMX-TILE and AMX-INT8 (Linux granted
-  // the tile state): experts with at least amx_int8_min_routes routes (> 0) take their integer
-  // dot products from tdpbsud tiles (PanelAmx).
-  bool amx_int8 = false;
-  int amx_int8_min_routes = 0;
-  bool UsesAmxInt8(int routes) const { return amx_int8 && routes >= amx_int8_min_routes; }
 
   // Valid routes, in token order: route r is token route_token[r], weight route_weight[r].
   std::vector<int> route_token;
