@@ -2332,6 +2332,14 @@ void ForwardFormat(ForwardPlan& plan) {
                           2 * I, H, prefetch, opt.block_lane};
   const MatrixRef down{bank.down_weights, bank.down_scales, bank.down_global_scales, H, I,
                        prefetch, opt.block_lane};
+  // fp8's fp16 kernels for experts with few routes (ForwardPlan::few_routes_max): the same
+  // matrices read with deeper prefetches.
+  const PfDist prefetch_few{static_cast<size_t>(plan.few_routes_prefetch_l1),
+                            static_cast<size_t>(plan.few_routes_prefetch_l2)};
+  const MatrixRef gate_up_few{gate_up.weights, gate_up.scales, gate_up.globals, gate_up.rows,
+                              gate_up.cols, prefetch_few, gate_up.block_lane};
+  const MatrixRef down_few{down.weights, down.scales, down.globals, down.rows, down.cols,
+                           prefetch_few, down.block_lane};
 
   using Clock = std::chrono::steady_clock;
   auto lap = [&plan, t = Clock::now()](int phase) mutable {
@@ -2460,6 +2468,7 @@ void ForwardFormat(ForwardPlan& plan) {
     const bool use_amx = amx_for(n);
     const bool f16_item = f16 && !use_amx;
     const bool vec_done = use_amx || f16_item;  // rows not dotted by the loops below
+    const MatrixRef& gate_up_f16 = n <= plan.few_routes_max ? gate_up_few : gate_up;
     // Panel banks with four streams: gate and up panels of r and of r + panel_half together
     // (whole panels; a last odd panel of the item goes with its up panel alone).
     const size_t panel_half = panels && streams == 4 ? (r1 - r0) / 32 * 16 : 0;
@@ -2475,9 +2484,9 @@ void ForwardFormat(ForwardPlan& plan) {
     }
     if (f16_item) {
       // Its first two streams (Fp8F16RowRange: rows p and p + n/2 of the gate half first).
-      PrefetchRow(gate_up, g.expert, r0, row_bytes1);
-      PrefetchRow(gate_up, g.expert, r0 + std::min<size_t>(r1 - r0, common::kFp8BlockSize) / 2,
-                  row_bytes1);
+      PrefetchRow(gate_up_f16, g.expert, r0, row_bytes1);
+      PrefetchRow(gate_up_f16, g.expert,
+                  r0 + std::min<size_t>(r1 - r0, common::kFp8BlockSize) / 2, row_bytes1);
     } else if (!use_amx && !panels) {
       PrefetchRow(gate_up, g.expert, r0, row_bytes1);
       PrefetchRow(gate_up, g.expert, I + r0, row_bytes1);
@@ -2511,7 +2520,7 @@ void ForwardFormat(ForwardPlan& plan) {
         if (f16_item) {
           const float* xr[64];
           for (int i = 0; i < nc; ++i) xr[i] = x_row32(plan.route_token[route_of[i]]);
-          Fp8F16Pass1(gate_up, g.expert, I, r0, r1, xr, nc, hrow, urow);
+          Fp8F16Pass1(gate_up_f16, g.expert, I, r0, r1, xr, nc, hrow, urow);
         }
       }
 #endif
@@ -2606,6 +2615,7 @@ void ForwardFormat(ForwardPlan& plan) {
     const int n = g.end - g.begin;
     const bool use_amx = amx_for(n);
     const bool f16_item = f16 && !use_amx;
+    const MatrixRef& down_f16 = n <= plan.few_routes_max ? down_few : down;
     const size_t q = streams_for(n) == 4 && !use_amx && !panels && !f16_item ? (h1 - h0) / 4 : 0;
     const size_t p0 = h0 + 4 * q;
     const size_t half = use_amx || panels ? 0 : (h1 - p0) / 2;
@@ -2624,8 +2634,8 @@ void ForwardFormat(ForwardPlan& plan) {
     }
     for (size_t j = 0; j < (q > 0 ? 4 : 0); ++j) PrefetchRow(down, g.expert, h0 + j * q, row_bytes2);
     if (!use_amx && !panels) {
-      PrefetchRow(down, g.expert, p0, row_bytes2);
-      PrefetchRow(down, g.expert, p0 + half, row_bytes2);
+      PrefetchRow(f16_item ? down_f16 : down, g.expert, p0, row_bytes2);
+      PrefetchRow(f16_item ? down_f16 : down, g.expert, p0 + half, row_bytes2);
     }
     ActView acts[64];
     [[maybe_unused]] const float* hin[64];  // fp32 h rows (the fp16 path)
@@ -2654,7 +2664,7 @@ void ForwardFormat(ForwardPlan& plan) {
                         });
         }
         if (f16_item) {
-          Fp8F16Pass2(down, g.expert, h0, h1, hin, wt, nc, dst);
+          Fp8F16Pass2(down_f16, g.expert, h0, h1, hin, wt, nc, dst);
           continue;
         }
       }

@@ -602,6 +602,17 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   plan.amx = amx && resolved.amx_min_routes > 0;
   plan.fp8_fp16 = fp8_fp16;
   plan.amx_min_routes = resolved.amx_min_routes;
+  // fp8's fp16 kernels, with both prefetch distances left at kAuto: experts with one or two
+  // routes read 4096 bytes ahead into L1 and 8192 into L2 (bf16's distances), the others 2048 and
+  // none. Side by side on the host (benchmarks/h200host_tuning_2026-11-30_session13.md, three
+  // runs), those distances for every expert made steps 2-7% faster at T=1-32 with 1-1.6 routes
+  // per expert, within 1% at 2.3, and 0-4% slower with 4 routes per expert.
+  if (fp8_fp16 && options.prefetch_bytes == Options::kAuto &&
+      options.prefetch_l2_bytes == Options::kAuto) {
+    plan.few_routes_max = 2;
+    plan.few_routes_prefetch_l1 = 4096;
+    plan.few_routes_prefetch_l2 = 8192;
+  }
   plan.token_route_begin.assign(num_tokens + 1, 0);
   plan.route_token.reserve(routes_total);
   plan.route_expert.reserve(routes_total);

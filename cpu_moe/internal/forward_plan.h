@@ -44,6 +44,12 @@ struct ForwardPlan {
   // Whether an expert with `routes` routes in this call goes through AMX (the one rule that both
   // the kernels and ForwardStats::amx follow).
   bool UsesAmx(int routes) const { return amx && routes >= amx_min_routes; }
+  // fp8's fp16 kernels read experts with at most few_routes_max routes with these prefetch
+  // distances instead of options->prefetch_bytes / prefetch_l2_bytes (0: no expert; set by
+  // Forward only where both options are kAuto).
+  int few_routes_max = 0;
+  int few_routes_prefetch_l1 = 0;
+  int few_routes_prefetch_l2 = 0;
 
   // Valid routes, in token order: route r is token route_token[r], weight route_weight[r].
   std::vector<int> route_token;
