@@ -2336,10 +2336,8 @@ void ForwardFormat(ForwardPlan& plan) {
   // matrices read with deeper prefetches.
   const PfDist prefetch_few{static_cast<size_t>(plan.few_routes_prefetch_l1),
                             static_cast<size_t>(plan.few_routes_prefetch_l2)};
-  const MatrixRef gate_up_few{gate_up.weights, gate_up.scales, gate_up.globals, gate_up.rows,
-                              gate_up.cols, prefetch_few, gate_up.block_lane};
-  const MatrixRef down_few{down.weights, down.scales, down.globals, down.rows, down.cols,
-                           prefetch_few, down.block_lane};
+  MatrixRef gate_up_few = gate_up, down_few = down;
+  gate_up_few.prefetch = down_few.prefetch = prefetch_few;
 
   using Clock = std::chrono::steady_clock;
   auto lap = [&plan, t = Clock::now()](int phase) mutable {
