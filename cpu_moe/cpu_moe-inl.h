@@ -451,10 +451,14 @@ HWY_INLINE hn::Vec<D32> DotAcc(D32 d32, hn::Vec<D32> acc, VU u, VI x) {
   (void)d32;
   if constexpr (sizeof(acc.raw) == 64) {
     return hn::Vec<D32>{_mm512_dpbusd_epi32(acc.raw, u.raw, x.raw)};
-  } else if constexpr (sizeof(acc.raw) == 32) {
-    return hn::Vec<D32>{_mm256_dpbusd_epi32(acc.raw, u.raw, x.raw)};
   } else {
-    return hn::Vec<D32>{_mm_dpbusd_epi32(acc.raw, u.raw, x.raw)};
+    // Highway 1.0.3's AVX3_DL target string enables AVX-VNNI (avxvnni), with which GCC encodes
+    // the 256- and 128-bit intrinsics as {vex} vpdpbusd: AVX-VNNI, which AVX3_DL does not
+    // require and AMD Zen 4 and Intel Ice Lake lack (SIGILL there, on every row tail narrower
+    // than 64 bytes). The EVEX form needs only AVX512_VNNI + AVX512VL, which AVX3_DL has.
+    auto r = acc.raw;
+    asm("%{evex%} vpdpbusd %[x], %[u], %[acc]" : [acc] "+v"(r) : [u] "v"(u.raw), [x] "v"(x.raw));
+    return hn::Vec<D32>{r};
   }
 #elif HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_SSE4
   // u8 x s8 -> s16 pairs (no saturation: |u * x| <= 24 * 127 * 2), then pairs of s16 -> s32.
