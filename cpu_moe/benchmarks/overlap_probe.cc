@@ -15,7 +15,7 @@
 // The q4_0 panel kernel spends 2 decode operations per line of codes and 3 per line and route
 // (8 dot products, a conversion, a multiply and an FMA per 4 lines): about W = 4 at one route
 // per expert, 16 at four, 24-32 at eight.
-//   bazel-bin/cpu_moe/overlap_probe [workers=physical cores] [GB=2]
+//   bazel-bin/cpu_moe/overlap_probe [workers=physical cores] [GB=2] [run KiB=1024] [random order 0|1]
 // GCC 12's avx512fintrin.h builds masked and converting intrinsics on self-initialized undefined
 // vectors, which -Wmaybe-uninitialized and -Wuninitialized report wherever they are inlined.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -71,6 +71,73 @@ int32_t Stream(const uint8_t* p, size_t n, bool prefetch) {
   return _mm512_reduce_add_epi32(s);
 }
 
+// The q4_0 panel kernel's own instruction mix (PanelDot at NP = 2, R routes) over the same two
+// streams: each stream is a panel in the layout of Layout::kPanels, every two 32-column blocks'
+// codes (2 x 256 bytes) followed by their 64-byte line of fp16 scales. Per block and stream:
+// 4 loads, AND / shift / AND into 8 code vectors, the block's 16 scales converted; per route 8
+// broadcast activation groups into two vpdpbusd chains, an add, a conversion, a multiply and an
+// FMA. What it adds to Stream<W> is the kernel's dependency structure (decode -> dot -> scale),
+// so its streamed fraction of min(DRAM, hot) says whether that structure hides under the stream.
+alignas(64) int8_t g_acts[8][64];
+
+template <int R>
+int32_t Panel(const uint8_t* p, size_t n, bool prefetch) {
+  constexpr size_t kGroup = 576;  // two blocks' codes and their scale line
+  __m512 acc[2][R];
+  for (int s = 0; s < 2; ++s) {
+    for (int r = 0; r < R; ++r) acc[s][r] = _mm512_setzero_ps();
+  }
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const size_t half = n / 2 / kGroup * kGroup;
+  const uint8_t* base[2] = {p, p + half};
+  for (size_t o = 0; o + kGroup <= half; o += kGroup) {
+    for (int b = 0; b < 2; ++b) {
+      __m512i w[2][8];
+      __m512 ws[2];
+      for (int s = 0; s < 2; ++s) {
+        const uint8_t* c = base[s] + o + 256 * b;
+        if (prefetch) {
+          for (size_t q = 0; q < 320; q += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(c + kL1Ahead + q), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(c + kL2Ahead + q), _MM_HINT_T1);
+          }
+        }
+        for (int v = 0; v < 4; ++v) {
+          const __m512i raw = _mm512_load_si512(c + 64 * v);
+          w[s][2 * v] = _mm512_and_si512(raw, mask);
+          w[s][2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+        }
+        ws[s] = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[s] + o + 512 + 32 * b)));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* a = g_acts[r] + 32 * b;
+        const __m512 xv = _mm512_set1_ps(1.0f / (r + 1));
+        __m512i sum[2][2];
+        for (int s = 0; s < 2; ++s) {
+          sum[s][0] = _mm512_set1_epi32(-8 * (r + 1));
+          sum[s][1] = _mm512_setzero_si512();
+        }
+        for (int g = 0; g < 8; ++g) {
+          int32_t word;
+          std::memcpy(&word, a + 4 * g, 4);
+          const __m512i x = _mm512_set1_epi32(word);
+          for (int s = 0; s < 2; ++s) sum[s][g % 2] = _mm512_dpbusd_epi32(sum[s][g % 2], w[s][g], x);
+        }
+        for (int s = 0; s < 2; ++s) {
+          acc[s][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sum[s][0], sum[s][1])),
+                                      _mm512_mul_ps(ws[s], xv), acc[s][r]);
+        }
+      }
+    }
+  }
+  __m512 t = _mm512_setzero_ps();
+  for (int s = 0; s < 2; ++s) {
+    for (int r = 0; r < R; ++r) t = _mm512_add_ps(t, acc[s][r]);
+  }
+  return static_cast<int32_t>(_mm512_reduce_add_ps(t));
+}
+
 using StreamFn = int32_t (*)(const uint8_t*, size_t, bool);
 
 double Median(std::vector<double> v) {
@@ -89,20 +156,42 @@ int main(int argc, char** argv) {
   const int workers = argc > 1 ? std::atoi(argv[1]) : moe::common::PhysicalCoreCount();
   const double gb = argc > 2 ? std::atof(argv[2]) : 2.0;
   if (workers < 1 || !(gb > 0.0)) {
-    std::fprintf(stderr, "usage: overlap_probe [workers >= 1] [GB > 0]\n");
+    std::fprintf(stderr, "usage: overlap_probe [workers >= 1] [GB > 0] [run KiB] [random 0|1]\n");
     return 2;
   }
   moe::common::ThreadPool pool(workers);
-  constexpr size_t kRun = 1 << 20;
+  // The run size (KiB, argv[3], default 1024) and whether the runs go in a random order
+  // (argv[4] = 1) rather than in address order: the library's work items are shorter and land
+  // on experts anywhere in memory.
+  const size_t kRun = (argc > 3 ? static_cast<size_t>(std::atol(argv[3])) : 1024) << 10;
+  const bool shuffle = argc > 4 && std::atoi(argv[4]) == 1;
+  if (kRun < 4096 || kRun % 4096 != 0) {
+    std::fprintf(stderr, "overlap_probe: the run size must be a multiple of 4 KiB\n");
+    return 2;
+  }
   const size_t runs = std::max<size_t>(1, static_cast<size_t>(gb * 1e9) / kRun);
+  std::vector<uint32_t> order(runs);
+  for (size_t r = 0; r < runs; ++r) order[r] = static_cast<uint32_t>(r);
+  if (shuffle) {
+    uint64_t st = 88172645463325252ull;
+    for (size_t r = runs - 1; r > 0; --r) {
+      st ^= st << 13; st ^= st >> 7; st ^= st << 17;
+      std::swap(order[r], order[st % (r + 1)]);
+    }
+  }
   moe::common::AlignedBuffer<uint8_t> big(runs * kRun + kL2Ahead * 2, 2 << 20);
   std::memset(big.data(), 1, big.size());  // fault the pages in
   constexpr size_t kHot = 256 << 10;       // per worker, in its L2
   moe::common::AlignedBuffer<uint8_t> hot(kHot * workers + kL2Ahead * 2, 64);
   std::memset(hot.data(), 1, hot.size());
-  const int kWs[] = {0, 2, 4, 8, 16, 24, 32, 48, 64};
+  for (auto& a : g_acts) {
+    for (int i = 0; i < 64; ++i) a[i] = static_cast<int8_t>(i - 32);
+  }
+  // W < 0: the panel kernel's mix at -W routes (Panel<-W>).
+  const int kWs[] = {0, 2, 4, 8, 16, 24, 32, 48, 64, -1, -2, -4, -8};
   const StreamFn fns[] = {Stream<0>, Stream<2>, Stream<4>, Stream<8>, Stream<16>,
-                          Stream<24>, Stream<32>, Stream<48>, Stream<64>};
+                          Stream<24>, Stream<32>, Stream<48>, Stream<64>,
+                          Panel<1>, Panel<2>, Panel<4>, Panel<8>};
   std::atomic<int64_t> sink{0};
   // GB/s of the whole buffer (cold) or of hot_reps passes over each worker's L2 part.
   auto run = [&](StreamFn fn, bool cold) {
@@ -110,7 +199,7 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     if (cold) {
       pool.ParallelFor(runs, [&](uint64_t r, int) {
-        sink.fetch_add(fn(big.data() + r * kRun, kRun, true), std::memory_order_relaxed);
+        sink.fetch_add(fn(big.data() + order[r] * kRun, kRun, true), std::memory_order_relaxed);
       });
     } else {
       pool.ParallelFor(workers, [&](uint64_t, int w) {
@@ -125,10 +214,10 @@ int main(int argc, char** argv) {
                               : static_cast<double>(kHot) * hot_reps * workers;
     return bytes / sec * 1e-9;
   };
-  std::printf("overlap_probe: %d workers, %.2f GB streamed per pass in 1 MiB runs (two streams "
-              "each, prefetch %zu B into L1 and %zu B into L2 ahead), median of 5 passes, the W "
-              "values interleaved\n", workers, static_cast<double>(runs) * kRun * 1e-9, kL1Ahead,
-              kL2Ahead);
+  std::printf("overlap_probe: %d workers, %.2f GB streamed per pass in %zu KiB runs (%s; two "
+              "streams each, prefetch %zu B into L1 and %zu B into L2 ahead), median of 5 passes, "
+              "the W values interleaved\n", workers, static_cast<double>(runs) * kRun * 1e-9,
+              kRun >> 10, shuffle ? "random order" : "address order", kL1Ahead, kL2Ahead);
   constexpr int kN = sizeof(kWs) / sizeof(kWs[0]);
   std::vector<std::vector<double>> cold(kN), hotr(kN);
   run(fns[0], true);  // warm-up
@@ -145,7 +234,13 @@ int main(int argc, char** argv) {
   for (int i = 0; i < kN; ++i) {
     const double c = Median(cold[i]), h = Median(hotr[i]);
     const double ideal = std::min(dram, h);
-    std::printf("%-4d %-14.1f %-14.1f %-22.1f %-10.3f\n", kWs[i], c, h, ideal, c / ideal);
+    char name[16];
+    if (kWs[i] >= 0) {
+      std::snprintf(name, sizeof(name), "%d", kWs[i]);
+    } else {
+      std::snprintf(name, sizeof(name), "P%d", -kWs[i]);
+    }
+    std::printf("%-4s %-14.1f %-14.1f %-22.1f %-10.3f\n", name, c, h, ideal, c / ideal);
   }
   std::printf("(sink %lld)\n", static_cast<long long>(sink.load()));
   return 0;
