@@ -139,6 +139,9 @@ def Floors(rows, side_by_side, hot):
     print("Compute floor (cache-hot rates, all workers): "
           + "; ".join(f"{f} {r[1]:.0f} / {r[4]:.0f} / {r[8]:.0f} GB/s at 1 / 4 / 8 routes"
                       for f, r in sorted(hot.items())))
+    print("(BM_CpuMoeHot's 16 experts sit in L3: at one route its rate can be the L3's, not the "
+          "cores', so the floor of cases with about one route per expert is an upper bound; "
+          "benchmarks/h200host_tuning_2026-12-01_session15.md section 2)")
     print()
     print("| format | E | T | DRAM GB/s | compute floor GB/s | floor / (unique/DRAM) | "
           "measured / max(floor, unique/DRAM) | max speedup / reuse (side by side) |")
