@@ -163,13 +163,14 @@ int main(int argc, char** argv) {
   // The run size (KiB, argv[3], default 1024) and whether the runs go in a random order
   // (argv[4] = 1) rather than in address order: the library's work items are shorter and land
   // on experts anywhere in memory.
-  const size_t kRun = (argc > 3 ? static_cast<size_t>(std::atol(argv[3])) : 1024) << 10;
+  const long run_kib = argc > 3 ? std::atol(argv[3]) : 1024;
   const bool shuffle = argc > 4 && std::atoi(argv[4]) == 1;
-  if (kRun < 4096 || kRun % 4096 != 0) {
-    std::fprintf(stderr, "overlap_probe: the run size must be a multiple of 4 KiB\n");
+  if (run_kib < 4 || run_kib % 4 != 0 || run_kib > (1L << 20)) {
+    std::fprintf(stderr, "overlap_probe: the run size must be a multiple of 4 KiB, at most 1 GiB\n");
     return 2;
   }
-  const size_t runs = std::max<size_t>(1, static_cast<size_t>(gb * 1e9) / kRun);
+  const size_t run_bytes = static_cast<size_t>(run_kib) << 10;
+  const size_t runs = std::max<size_t>(1, static_cast<size_t>(gb * 1e9) / run_bytes);
   std::vector<uint32_t> order(runs);
   for (size_t r = 0; r < runs; ++r) order[r] = static_cast<uint32_t>(r);
   if (shuffle) {
@@ -179,7 +180,7 @@ int main(int argc, char** argv) {
       std::swap(order[r], order[st % (r + 1)]);
     }
   }
-  moe::common::AlignedBuffer<uint8_t> big(runs * kRun + kL2Ahead * 2, 2 << 20);
+  moe::common::AlignedBuffer<uint8_t> big(runs * run_bytes + kL2Ahead * 2, 2 << 20);
   std::memset(big.data(), 1, big.size());  // fault the pages in
   constexpr size_t kHot = 256 << 10;       // per worker, in its L2
   moe::common::AlignedBuffer<uint8_t> hot(kHot * workers + kL2Ahead * 2, 64);
@@ -199,7 +200,7 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     if (cold) {
       pool.ParallelFor(runs, [&](uint64_t r, int) {
-        sink.fetch_add(fn(big.data() + order[r] * kRun, kRun, true), std::memory_order_relaxed);
+        sink.fetch_add(fn(big.data() + order[r] * run_bytes, run_bytes, true), std::memory_order_relaxed);
       });
     } else {
       pool.ParallelFor(workers, [&](uint64_t, int w) {
@@ -210,14 +211,14 @@ int main(int argc, char** argv) {
     }
     const double sec =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const double bytes = cold ? static_cast<double>(runs) * kRun
+    const double bytes = cold ? static_cast<double>(runs) * run_bytes
                               : static_cast<double>(kHot) * hot_reps * workers;
     return bytes / sec * 1e-9;
   };
   std::printf("overlap_probe: %d workers, %.2f GB streamed per pass in %zu KiB runs (%s; two "
               "streams each, prefetch %zu B into L1 and %zu B into L2 ahead), median of 5 passes, "
-              "the W values interleaved\n", workers, static_cast<double>(runs) * kRun * 1e-9,
-              kRun >> 10, shuffle ? "random order" : "address order", kL1Ahead, kL2Ahead);
+              "the W values interleaved\n", workers, static_cast<double>(runs) * run_bytes * 1e-9,
+              run_bytes >> 10, shuffle ? "random order" : "address order", kL1Ahead, kL2Ahead);
   constexpr int kN = sizeof(kWs) / sizeof(kWs[0]);
   std::vector<std::vector<double>> cold(kN), hotr(kN);
   run(fns[0], true);  // warm-up
