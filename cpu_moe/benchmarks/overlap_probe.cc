@@ -40,7 +40,9 @@ constexpr size_t kL1Ahead = 2048, kL2Ahead = 8192;
 
 // Streams [p, p + n) as two halves side by side, W vpdpbusd per line; returns a value that
 // depends on every accumulator (so nothing is optimized away).
-template <int W>
+// C: the number of independent accumulators (8 unless a row says otherwise: "32c4" is W = 32
+// into 4), so that rows with fewer show how much the dot product's latency costs.
+template <int W, int C = 8>
 int32_t Stream(const uint8_t* p, size_t n, bool prefetch) {
   __m512i acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_si512();
@@ -63,7 +65,7 @@ int32_t Stream(const uint8_t* p, size_t n, bool prefetch) {
     } else {
       // Fully unrolled, so that the accumulators stay in registers.
 #pragma GCC unroll 64
-      for (int i = 0; i < W; ++i) acc[i % 8] = _mm512_dpbusd_epi32(acc[i % 8], i % 2 ? vb : va, x);
+      for (int i = 0; i < W; ++i) acc[i % C] = _mm512_dpbusd_epi32(acc[i % C], i % 2 ? vb : va, x);
     }
   }
   __m512i s = acc[0];
@@ -80,8 +82,15 @@ int32_t Stream(const uint8_t* p, size_t n, bool prefetch) {
 // so its streamed fraction of min(DRAM, hot) says whether that structure hides under the stream.
 alignas(64) int8_t g_acts[8][64];
 
-template <int R>
+//
+// Variants of the dependency structure, same instructions otherwise (kChains - 2 more additions
+// per route and stream when kChains = 4): kChains int32 chains per route and stream (the kernel's
+// 2; "P4c1" one, "P4c4" four), and kPairs: two routes' chains interleaved in program order
+// ("P4i"), so that twice as many independent chains are in flight without relying on the
+// out-of-order window.
+template <int R, int kChains = 2, bool kPairs = false>
 int32_t Panel(const uint8_t* p, size_t n, bool prefetch) {
+  static_assert(!kPairs || R % 2 == 0, "routes go in pairs");
   constexpr size_t kGroup = 576;  // two blocks' codes and their scale line
   __m512 acc[2][R];
   for (int s = 0; s < 2; ++s) {
@@ -110,23 +119,33 @@ int32_t Panel(const uint8_t* p, size_t n, bool prefetch) {
         ws[s] = _mm512_cvtph_ps(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[s] + o + 512 + 32 * b)));
       }
-      for (int r = 0; r < R; ++r) {
-        const int8_t* a = g_acts[r] + 32 * b;
-        const __m512 xv = _mm512_set1_ps(1.0f / (r + 1));
-        __m512i sum[2][2];
-        for (int s = 0; s < 2; ++s) {
-          sum[s][0] = _mm512_set1_epi32(-8 * (r + 1));
-          sum[s][1] = _mm512_setzero_si512();
+      constexpr int kStep = kPairs ? 2 : 1;
+      for (int r0 = 0; r0 < R; r0 += kStep) {
+        __m512i sum[kStep][2][kChains];
+        for (int i = 0; i < kStep; ++i) {
+          for (int s = 0; s < 2; ++s) {
+            sum[i][s][0] = _mm512_set1_epi32(-8 * (r0 + i + 1));
+            for (int c = 1; c < kChains; ++c) sum[i][s][c] = _mm512_setzero_si512();
+          }
         }
         for (int g = 0; g < 8; ++g) {
-          int32_t word;
-          std::memcpy(&word, a + 4 * g, 4);
-          const __m512i x = _mm512_set1_epi32(word);
-          for (int s = 0; s < 2; ++s) sum[s][g % 2] = _mm512_dpbusd_epi32(sum[s][g % 2], w[s][g], x);
+          for (int i = 0; i < kStep; ++i) {
+            int32_t word;
+            std::memcpy(&word, g_acts[r0 + i] + 32 * b + 4 * g, 4);
+            const __m512i x = _mm512_set1_epi32(word);
+            for (int s = 0; s < 2; ++s) {
+              sum[i][s][g % kChains] = _mm512_dpbusd_epi32(sum[i][s][g % kChains], w[s][g], x);
+            }
+          }
         }
-        for (int s = 0; s < 2; ++s) {
-          acc[s][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sum[s][0], sum[s][1])),
-                                      _mm512_mul_ps(ws[s], xv), acc[s][r]);
+        for (int i = 0; i < kStep; ++i) {
+          const __m512 xv = _mm512_set1_ps(1.0f / (r0 + i + 1));
+          for (int s = 0; s < 2; ++s) {
+            __m512i t = sum[i][s][0];
+            for (int c = 1; c < kChains; ++c) t = _mm512_add_epi32(t, sum[i][s][c]);
+            acc[s][r0 + i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(ws[s], xv),
+                                             acc[s][r0 + i]);
+          }
         }
       }
     }
@@ -188,11 +207,19 @@ int main(int argc, char** argv) {
   for (auto& a : g_acts) {
     for (int i = 0; i < 64; ++i) a[i] = static_cast<int8_t>(i - 32);
   }
-  // W < 0: the panel kernel's mix at -W routes (Panel<-W>).
-  const int kWs[] = {0, 2, 4, 8, 16, 24, 32, 48, 64, -1, -2, -4, -8};
-  const StreamFn fns[] = {Stream<0>, Stream<2>, Stream<4>, Stream<8>, Stream<16>,
-                          Stream<24>, Stream<32>, Stream<48>, Stream<64>,
-                          Panel<1>, Panel<2>, Panel<4>, Panel<8>};
+  // Rows: W (Stream<W>, 8 accumulators), W with fewer accumulators, and the panel kernel's mix
+  // at R routes (P<R>) with its variants.
+  struct Row {
+    const char* name;
+    StreamFn fn;
+  };
+  const Row rows[] = {{"0", Stream<0>},        {"2", Stream<2>},        {"4", Stream<4>},
+                      {"8", Stream<8>},        {"16", Stream<16>},      {"24", Stream<24>},
+                      {"32", Stream<32>},      {"32c4", Stream<32, 4>}, {"32c2", Stream<32, 2>},
+                      {"48", Stream<48>},      {"64", Stream<64>},      {"P1", Panel<1>},
+                      {"P2", Panel<2>},        {"P4", Panel<4>},        {"P4c1", Panel<4, 1>},
+                      {"P4c4", Panel<4, 4>},   {"P4i", Panel<4, 2, true>},
+                      {"P8", Panel<8>}};
   std::atomic<int64_t> sink{0};
   // GB/s of the whole buffer (cold) or of hot_reps passes over each worker's L2 part.
   auto run = [&](StreamFn fn, bool cold) {
@@ -219,29 +246,23 @@ int main(int argc, char** argv) {
               "streams each, prefetch %zu B into L1 and %zu B into L2 ahead), median of 5 passes, "
               "the W values interleaved\n", workers, static_cast<double>(runs) * run_bytes * 1e-9,
               run_bytes >> 10, shuffle ? "random order" : "address order", kL1Ahead, kL2Ahead);
-  constexpr int kN = sizeof(kWs) / sizeof(kWs[0]);
+  constexpr int kN = sizeof(rows) / sizeof(rows[0]);
   std::vector<std::vector<double>> cold(kN), hotr(kN);
-  run(fns[0], true);  // warm-up
+  run(rows[0].fn, true);  // warm-up
   for (int rep = 0; rep < 5; ++rep) {
     for (int i = 0; i < kN; ++i) {
       const int j = (i + rep) % kN;  // rotate the order
-      cold[j].push_back(run(fns[j], true));
-      hotr[j].push_back(run(fns[j], false));
+      cold[j].push_back(run(rows[j].fn, true));
+      hotr[j].push_back(run(rows[j].fn, false));
     }
   }
   const double dram = Median(cold[0]);
-  std::printf("%-4s %-14s %-14s %-22s %-10s\n", "W", "streamed GB/s", "hot GB/s",
+  std::printf("%-5s %-14s %-14s %-22s %-10s\n", "W", "streamed GB/s", "hot GB/s",
               "ideal min(DRAM, hot)", "fraction");
   for (int i = 0; i < kN; ++i) {
     const double c = Median(cold[i]), h = Median(hotr[i]);
     const double ideal = std::min(dram, h);
-    char name[16];
-    if (kWs[i] >= 0) {
-      std::snprintf(name, sizeof(name), "%d", kWs[i]);
-    } else {
-      std::snprintf(name, sizeof(name), "P%d", -kWs[i]);
-    }
-    std::printf("%-4s %-14.1f %-14.1f %-22.1f %-10.3f\n", name, c, h, ideal, c / ideal);
+    std::printf("%-5s %-14.1f %-14.1f %-22.1f %-10.3f\n", rows[i].name, c, h, ideal, c / ideal);
   }
   std::printf("(sink %lld)\n", static_cast<long long>(sink.load()));
   return 0;
