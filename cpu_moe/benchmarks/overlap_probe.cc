@@ -6,15 +6,15 @@
 // cache in 1 MiB runs taken from a shared counter, as the library's DRAM probe and work items do
 // (each run two sequential streams, its halves, with software prefetch 2 KiB ahead into L1 and
 // 8 KiB ahead into L2, the panel kernels' defaults), and
-// spends W `vpdpbusd` per 64-byte line on that line's bytes (into 8 independent accumulators, so
-// latency does not bound it). The same loop over a buffer that stays in each worker's L2 gives
+// spends W `vpdpbusd` on each pair of 64-byte lines, one from each stream (into 8 independent
+// accumulators, so latency does not bound it, unless a row names fewer). The same loop over a buffer that stays in each worker's L2 gives
 // the compute-only rate. With perfect overlap a worker would run at min(DRAM share, compute
 // rate): the table prints the streamed GB/s, the cache-hot GB/s, the ideal min(first row's
 // streamed GB/s, hot GB/s), and the streamed rate's fraction of that ideal.
 //
 // The q4_0 panel kernel spends 2 decode operations per line of codes and 3 per line and route
-// (8 dot products, a conversion, a multiply and an FMA per 4 lines): about W = 4 at one route
-// per expert, 16 at four, 24-32 at eight.
+// (8 dot products, a conversion, a multiply and an FMA per 4 lines). Its dot products alone
+// come to W = 4 per pair of lines at one route per expert, 16 at four, 32 at eight.
 //   bazel-bin/cpu_moe/overlap_probe [workers=physical cores] [GB=2] [run KiB=1024] [random order 0|1]
 // GCC 12's avx512fintrin.h builds masked and converting intrinsics on self-initialized undefined
 // vectors, which -Wmaybe-uninitialized and -Wuninitialized report wherever they are inlined.
@@ -38,7 +38,7 @@ namespace {
 
 constexpr size_t kL1Ahead = 2048, kL2Ahead = 8192;
 
-// Streams [p, p + n) as two halves side by side, W vpdpbusd per line; returns a value that
+// Streams [p, p + n) as two halves side by side, W vpdpbusd per pair of lines; returns a value that
 // depends on every accumulator (so nothing is optimized away).
 // C: the number of independent accumulators (8 unless a row says otherwise: "32c4" is W = 32
 // into 4), so that rows with fewer show how much the dot product's latency costs.
