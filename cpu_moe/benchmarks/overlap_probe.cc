@@ -5,9 +5,9 @@
 // whether any kernel could do better: the workers stream a buffer far larger than the last-level
 // cache in 1 MiB runs taken from a shared counter, as the library's DRAM probe and work items do
 // (each run two sequential streams, its halves, with software prefetch 2 KiB ahead into L1 and
-// 8 KiB ahead into L2, the panel kernels' defaults), and
-// spends W `vpdpbusd` on each pair of 64-byte lines, one from each stream (into 8 independent
-// accumulators, so latency does not bound it, unless a row names fewer). The same loop over a buffer that stays in each worker's L2 gives
+// 8 KiB ahead into L2, the panel kernels' defaults), and spends W `vpdpbusd` on each pair of
+// 64-byte lines, one from each stream (into 8 independent accumulators, so latency does not bound
+// it, unless a row names fewer). The same loop over a buffer that stays in each worker's L2 gives
 // the compute-only rate. With perfect overlap a worker would run at min(DRAM share, compute
 // rate): the table prints the streamed GB/s, the cache-hot GB/s, the ideal min(first row's
 // streamed GB/s, hot GB/s), and the streamed rate's fraction of that ideal.
@@ -38,8 +38,8 @@ namespace {
 
 constexpr size_t kL1Ahead = 2048, kL2Ahead = 8192;
 
-// Streams [p, p + n) as two halves side by side, W vpdpbusd per pair of lines; returns a value that
-// depends on every accumulator (so nothing is optimized away).
+// Streams [p, p + n) as two halves side by side, W vpdpbusd per pair of lines; returns a value
+// that depends on every accumulator (so nothing is optimized away).
 // C: the number of independent accumulators (8 unless a row says otherwise: "32c4" is W = 32
 // into 4), so that rows with fewer show how much the dot product's latency costs.
 template <int W, int C = 8>
@@ -185,7 +185,8 @@ int main(int argc, char** argv) {
   const long run_kib = argc > 3 ? std::atol(argv[3]) : 1024;
   const bool shuffle = argc > 4 && std::atoi(argv[4]) == 1;
   if (run_kib < 4 || run_kib % 4 != 0 || run_kib > (1L << 20)) {
-    std::fprintf(stderr, "overlap_probe: the run size must be a multiple of 4 KiB, at most 1 GiB\n");
+    std::fprintf(stderr,
+                 "overlap_probe: the run size must be a multiple of 4 KiB, at most 1 GiB\n");
     return 2;
   }
   const size_t run_bytes = static_cast<size_t>(run_kib) << 10;
@@ -227,7 +228,8 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     if (cold) {
       pool.ParallelFor(runs, [&](uint64_t r, int) {
-        sink.fetch_add(fn(big.data() + order[r] * run_bytes, run_bytes, true), std::memory_order_relaxed);
+        sink.fetch_add(fn(big.data() + order[r] * run_bytes, run_bytes, true),
+                       std::memory_order_relaxed);
       });
     } else {
       pool.ParallelFor(workers, [&](uint64_t, int w) {
