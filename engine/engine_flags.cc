@@ -1,0 +1,77 @@
+#include "engine/engine_flags.h"
+
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+ABSL_FLAG(std::string, model, "",
+          "Hugging Face model folder (config.json, *.safetensors, tokenizer.json); empty: the "
+          "embedded default model");
+ABSL_FLAG(std::string, expert_format, "bf16",
+          "format of the routed experts in memory: bf16, fp8_block, q4_0, nvfp4, mxfp4");
+ABSL_FLAG(int, threads, 0, "worker threads; 0: physical cores");
+ABSL_FLAG(int, max_batch, 64, "sequences per step");
+ABSL_FLAG(int, max_context, 0,
+          "tokens per sequence (prompt + output); 0: min(max_position_embeddings, 4096)");
+ABSL_FLAG(int, kv_blocks, 0, "KV cache blocks of 16 tokens; 0: sized from max_batch and context");
+ABSL_FLAG(int, prefill_chunk, 256, "prompt tokens of one sequence per step");
+ABSL_FLAG(bool, deterministic, false,
+          "results of a sequence independent of the batch (fixed kernels; slower)");
+
+namespace moe::engine {
+
+absl::StatusOr<ModelEngineOptions> ModelEngineOptionsFromFlags() {
+  ModelEngineOptions options;
+  options.model_dir = absl::GetFlag(FLAGS_model);
+  options.expert_format = absl::GetFlag(FLAGS_expert_format);
+  options.threads = absl::GetFlag(FLAGS_threads);
+  options.max_batch = absl::GetFlag(FLAGS_max_batch);
+  options.max_context = absl::GetFlag(FLAGS_max_context);
+  options.kv_blocks = absl::GetFlag(FLAGS_kv_blocks);
+  options.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
+  options.deterministic = absl::GetFlag(FLAGS_deterministic);
+  auto bad = [](const char* flag, int value, const char* want) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, ": ", want));
+  };
+  if (options.threads < 0) return bad("threads", options.threads, "must be >= 0");
+  if (options.max_batch < 1) return bad("max_batch", options.max_batch, "must be >= 1");
+  if (options.max_context < 0) return bad("max_context", options.max_context, "must be >= 0");
+  if (options.kv_blocks < 0) return bad("kv_blocks", options.kv_blocks, "must be >= 0");
+  if (options.prefill_chunk < 1) {
+    return bad("prefill_chunk", options.prefill_chunk, "must be >= 1");
+  }
+  return options;
+}
+
+std::vector<char*> ParseCommandLine(int argc, char** argv, const char* usage) {
+  // Rewritten arguments must outlive the parse and the flags' use of argv: keep them for the
+  // life of the process.
+  static auto* storage = new std::deque<std::string>();
+  std::vector<char*> args;
+  args.reserve(argc);
+  bool after_dashdash = false;
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (i > 0 && !after_dashdash && arg == "--") after_dashdash = true;
+    if (i > 0 && !after_dashdash && arg.size() > 2 && arg[0] == '-') {
+      size_t start = arg[1] == '-' ? 2 : 1;
+      size_t end = arg.find('=');
+      if (end == std::string::npos) end = arg.size();
+      for (size_t j = start; j < end; ++j) {
+        if (arg[j] == '-') arg[j] = '_';
+      }
+    }
+    storage->push_back(std::move(arg));
+  }
+  for (std::string& s : *storage) args.push_back(s.data());
+  absl::SetProgramUsageMessage(usage);
+  return absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+}
+
+}  // namespace moe::engine

@@ -1,0 +1,57 @@
+// ModelEngine: the Engine (engine.h) that runs a Hugging Face MoE checkpoint (qwen3_moe,
+// qwen2_moe) on the CPU: dense layers through oneDNN, attention over a paged KV cache, routed
+// experts through an ExpertBackend (cpu_moe today), sampling per sequence with its own RNG, and
+// continuous batching (chunked prefill, one decode token per running sequence per step,
+// preemption of the newest sequence when the KV pool runs out).
+//
+// CreateModelEngine loads the model folder (weights, tokenizer, chat template) and returns an
+// Engine that owns all of it. Thread safety is the Engine contract's: Submit, Cancel, HasWork,
+// Stats and the accessors from any thread; Step from one thread at a time.
+#ifndef MOE_ENGINE_MODEL_ENGINE_H_
+#define MOE_ENGINE_MODEL_ENGINE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "engine/engine.h"
+
+namespace moe::engine {
+
+struct ModelEngineOptions {
+  // A Hugging Face model folder (config.json, *.safetensors, tokenizer.json,
+  // tokenizer_config.json); "": the embedded default model (DefaultModelDir()).
+  std::string model_dir;
+  // Format the routed experts are held in: "bf16", "fp8_block", "q4_0", "nvfp4", "mxfp4".
+  std::string expert_format = "bf16";
+  int threads = 0;      // worker threads; 0: the machine's physical cores
+  int max_batch = 64;   // sequences per step (prefilling and decoding together)
+  // Tokens one sequence may hold (prompt + output); 0: min(max_position_embeddings, 4096).
+  int max_context = 0;
+  int kv_block_size = 16;  // tokens per KV block
+  // Blocks in the KV pool; 0: enough for max_batch sequences of max_context, capped so that the
+  // pool takes at most a quarter of the machine's memory.
+  int kv_blocks = 0;
+  int prefill_chunk = 256;  // prompt tokens of one sequence per step
+  // Every sequence's results do not depend on what else is in the batch: per-row kernels with
+  // a fixed summation order, no batch-size-dependent switch to AMX or oneDNN. Slower; the fast
+  // mode differs from it only by rounding.
+  bool deterministic = false;
+  // Dense weights in f32 instead of bf16 (for comparisons with float references).
+  bool dense_f32 = false;
+  // Seed of the engine's own seed generator (requests without a seed draw from it).
+  uint64_t seed = 0;
+};
+
+// Loads the model and builds the engine. InvalidArgument for bad options, NotFound / the
+// loader's errors for a bad model folder.
+absl::StatusOr<std::unique_ptr<Engine>> CreateModelEngine(const ModelEngineOptions& options);
+
+// The embedded default model's folder (models/tiny_qwen3_moe from the runfiles of the running
+// binary or test, or $MOE_DEFAULT_MODEL_DIR when set); "" when it cannot be found.
+std::string DefaultModelDir();
+
+}  // namespace moe::engine
+
+#endif  // MOE_ENGINE_MODEL_ENGINE_H_
