@@ -1,0 +1,80 @@
+// ModelWeights: everything a forward pass reads, as LoadModel (loader.h) leaves it: dense
+// weights as owned row-major tensors (bf16, or f32 where asked), norms and biases in f32, and
+// every routed expert of every MoE layer in one moe_cache::ExpertStore in the chosen expert
+// format, laid out so that one MoE layer's experts form a cpu_moe::ExpertBank in place.
+//
+// Ownership: ModelWeights owns all of it (tensors and store). Banks from ExpertBankFor() point
+// into the store and live as long as the ModelWeights. Read-only after loading, so concurrent
+// readers need no locks.
+#ifndef MOE_ENGINE_MODEL_WEIGHTS_H_
+#define MOE_ENGINE_MODEL_WEIGHTS_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/aligned_buffer.h"
+#include "common/formats.h"
+#include "cpu_moe/cpu_moe.h"
+#include "engine/model_config.h"
+#include "moe_cache/gpu/expert_store.h"
+
+namespace moe::engine {
+
+enum class DType { kF32, kBf16 };
+
+// A dense row-major [rows, cols] matrix (vectors: rows = 1) that owns its bytes.
+struct Tensor {
+  DType dtype = DType::kBf16;
+  int64_t rows = 0, cols = 0;
+  common::AlignedBuffer<uint8_t> data;
+
+  // Element pointers; valid only for the matching dtype (nullptr otherwise).
+  const float* f32() const;
+  const uint16_t* bf16() const;
+  float* mutable_f32();
+  uint16_t* mutable_bf16();
+  bool empty() const { return rows == 0 || cols == 0; }
+  int64_t numel() const { return rows * cols; }
+  // Element (r, c) as float, whatever the dtype (for tests and references; not a hot path).
+  float At(int64_t r, int64_t c) const;
+};
+
+struct LayerWeights {
+  Tensor input_layernorm, post_attention_layernorm;  // f32 [1, H]
+  Tensor q_proj, k_proj, v_proj, o_proj;             // [out, in]
+  Tensor q_bias, k_bias, v_bias;                     // f32 [1, out]; empty unless attention_bias
+  Tensor q_norm, k_norm;                             // f32 [1, head_dim]; empty unless qk_norm
+  bool is_moe = false;
+  int moe_index = -1;  // index into the ExpertStore's layers (-1 for dense layers)
+  Tensor router;       // [E, H] (mlp.gate.weight)
+  Tensor shared_gate_proj, shared_up_proj, shared_down_proj;  // empty without a shared expert
+  Tensor shared_expert_gate;                                  // [1, H]
+  Tensor mlp_gate_proj, mlp_up_proj, mlp_down_proj;           // dense (non-MoE) layers only
+};
+
+struct ModelWeights {
+  ModelConfig config;
+  Tensor embed_tokens;  // [V, H]
+  Tensor final_norm;    // f32 [1, H]
+  Tensor lm_head;       // [V, H]; empty when tied (use embed_tokens)
+  std::vector<LayerWeights> layers;
+  common::WeightFormat expert_format = common::WeightFormat::kBf16;
+  // Every routed expert of every MoE layer; store layer index = LayerWeights::moe_index.
+  // Banks: bf16 "gate_up", "down"; fp8_block adds "gate_up_scales", "down_scales"; q4_0, mxfp4
+  // and nvfp4 hold panels (cpu_moe::Layout::kPanels, scales inside) in "gate_up", "down", and
+  // nvfp4 adds "gate_up_global_scale", "down_global_scale" (one float per expert).
+  std::unique_ptr<moe_cache::ExpertStore> experts;
+  // nvfp4 only: per MoE layer, the experts' global scales contiguous ([E] floats each), as
+  // cpu_moe::ExpertBank wants them (the store's rows are padded to 16 bytes).
+  std::vector<std::vector<float>> gate_up_global_scales, down_global_scales;
+
+  // The cpu_moe bank of MoE layer `moe_index`, pointing straight into the store's memory (no
+  // copy): gate_up rows are [gate; up] stacked ([2*I, H]) as cpu_moe expects, down [H, I];
+  // panels for the 4-bit formats. moe_index must be in [0, experts->num_layers()).
+  cpu_moe::ExpertBank ExpertBankFor(int moe_index) const;
+};
+
+}  // namespace moe::engine
+
+#endif  // MOE_ENGINE_MODEL_WEIGHTS_H_
