@@ -1,0 +1,79 @@
+// Model: the forward pass of a qwen3_moe / qwen2_moe decoder on the CPU over a batch of sequence
+// chunks of different lengths (prefill chunks and single decode tokens mixed): embeddings,
+// per layer RMSNorm, GQA attention with RoPE over the paged KV cache (q/k RMSNorm for qwen3_moe,
+// qkv bias for qwen2_moe), then either the MoE block (router softmax in f32, top-k, optional
+// renormalisation, routed experts through the ExpertBackend, qwen2_moe's sigmoid-gated shared
+// expert) or a dense MLP, and the final norm and LM head for the rows that want logits.
+//
+// Borrows the weights, the expert backend, the pool (none is owned; all must outlive it); owns
+// its RoPE table, dense-layer primitives and scratch. Not thread-safe: one caller (the engine's
+// Step thread) at a time.
+#ifndef MOE_ENGINE_MODEL_H_
+#define MOE_ENGINE_MODEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/thread_pool.h"
+#include "engine/dense.h"
+#include "engine/expert_backend.h"
+#include "engine/kv_cache.h"
+#include "engine/model_weights.h"
+#include "engine/rope.h"
+
+namespace moe::engine {
+
+class Model {
+ public:
+  // deterministic: every row's results independent of the rest of the batch (per-row GEMV).
+  // max_positions bounds positions (RoPE table size).
+  static absl::StatusOr<std::unique_ptr<Model>> Create(const ModelWeights* weights,
+                                                       ExpertBackend* experts,
+                                                       common::ThreadPool* pool,
+                                                       bool deterministic, int max_positions);
+
+  enum class Logits { kNone, kLast, kAll };
+  // A run of consecutive tokens of one sequence, starting at position `start`; its KV blocks
+  // (block_table) must already cover positions [0, start + tokens.size()), and positions
+  // [0, start) must hold this sequence's keys and values.
+  struct Chunk {
+    absl::Span<const int32_t> tokens;
+    int start = 0;
+    const std::vector<int32_t>* block_table = nullptr;
+    Logits logits = Logits::kLast;
+  };
+
+  // Runs the chunks as one batch, writes their keys and values into `kv`, and appends to
+  // `logits` one [vocab] row per wanted token, in chunk order. InvalidArgument for token ids
+  // outside the vocabulary or positions past max_positions.
+  absl::Status Forward(absl::Span<const Chunk> chunks, KvCache* kv, std::vector<float>* logits);
+
+  const ModelConfig& config() const { return w_.config; }
+  int max_positions() const { return rope_->max_positions(); }
+
+ private:
+  Model(const ModelWeights* weights, ExpertBackend* experts, common::ThreadPool* pool,
+        bool deterministic);
+  absl::Status Mlp(const Tensor& gate, const Tensor& up, const Tensor& down, int rows,
+                   const float* x, float* out);
+  absl::Status MoeBlock(const LayerWeights& lw, int rows, const float* x, float* h);
+
+  const ModelWeights& w_;
+  ExpertBackend* experts_;
+  common::ThreadPool* pool_;
+  bool deterministic_;
+  std::unique_ptr<RopeTable> rope_;
+  DenseLinear dense_;
+  // Scratch, grown as needed.
+  std::vector<float> h_, xn_, q_, k_, v_, attn_, gate_, up_, mlp_out_, router_, route_w_, sgate_;
+  std::vector<int32_t> route_ids_, positions_;
+  std::vector<const int32_t*> tables_;
+};
+
+}  // namespace moe::engine
+
+#endif  // MOE_ENGINE_MODEL_H_

@@ -1,0 +1,40 @@
+// Rotary position embedding tables, computed as transformers' modeling_rope_utils computes
+// inv_freq and attention_factor (default, linear, dynamic within max_position_embeddings, yarn),
+// in float32 as it does, and applied in its rotate_half form (pairs i and i + head_dim / 2).
+// Immutable after construction; thread-safe to read.
+#ifndef MOE_ENGINE_ROPE_H_
+#define MOE_ENGINE_ROPE_H_
+
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/model_config.h"
+
+namespace moe::engine {
+
+struct RopeParams {
+  std::vector<float> inv_freq;  // [head_dim / 2]
+  float attention_factor = 1.0f;  // multiplies cos and sin
+};
+
+// InvalidArgument for an unsupported rope type or bad parameters.
+absl::StatusOr<RopeParams> ComputeRopeParams(const ModelConfig& config);
+
+class RopeTable {
+ public:
+  // cos and sin for positions [0, max_positions).
+  RopeTable(const RopeParams& params, int head_dim, int max_positions);
+  int max_positions() const { return max_positions_; }
+  // Rotates `num_heads` heads of `x` ([num_heads, head_dim]) in place for `position`
+  // (< max_positions()).
+  void Apply(float* x, int num_heads, int position) const;
+
+ private:
+  int head_dim_;
+  int max_positions_;
+  std::vector<float> cos_, sin_;  // [max_positions, head_dim / 2], attention_factor applied
+};
+
+}  // namespace moe::engine
+
+#endif  // MOE_ENGINE_ROPE_H_
