@@ -793,9 +793,10 @@ class TokenizerImpl final : public Tokenizer {
       added_by_id_[t.id] = index;
       added_by_content_[t.content] = index;
       if (t.normalized) {
-        std::string pattern = t.content;
-        for (const Normalizer& n : normalizers_) n.Apply(&pattern);
-        normalized_matcher_.Add(std::move(pattern), index);
+        // The reference matches, and decodes, a normalized token by its normalized content.
+        for (const Normalizer& n : normalizers_) n.Apply(&t.content);
+        added_by_content_[t.content] = index;
+        normalized_matcher_.Add(t.content, index);
       } else {
         raw_matcher_.Add(t.content, index);
       }

@@ -49,6 +49,9 @@ TEST(TokenizerFixtureTest, MatchesHuggingFace) {
     const std::string want_decode = c.contains("decode") ? Unbase64(c["decode"]) : text;
     const std::string want_skip = c.contains("decode_skip") ? Unbase64(c["decode_skip"]) : text;
     const std::vector<int32_t> got = (*tok)->Encode(text);
+    const std::vector<int32_t> want_special =
+        c.contains("ids_with_special") ? c["ids_with_special"].get<std::vector<int32_t>>() : want;
+    const std::vector<int32_t> got_special = (*tok)->Encode(text, /*add_special_tokens=*/true);
     const std::string decode = (*tok)->Decode(want);
     const std::string decode_skip = (*tok)->Decode(want, /*skip_special_tokens=*/true);
     IncrementalDecoder stream(**tok);
@@ -56,13 +59,14 @@ TEST(TokenizerFixtureTest, MatchesHuggingFace) {
     for (int32_t id : want) streamed += stream.Add(id);
     streamed += stream.Flush();
     const bool ok =
-        got == want && decode == want_decode && decode_skip == want_skip && streamed == decode;
+        got == want && got_special == want_special && decode == want_decode && decode_skip == want_skip && streamed == decode;
     if (!ok) {
       ++failures[cat];
       if (++failed <= 10) {
         ADD_FAILURE() << "case " << i << " (" << cat << ") text=" << nlohmann::json(text).dump()
                       << "\n ids " << (got == want ? "ok" : "DIFFER") << ": got "
                       << nlohmann::json(got).dump() << "\n want " << nlohmann::json(want).dump()
+                      << "\n with special tokens " << (got_special == want_special ? "ok" : "DIFFER")
                       << "\n decode " << (decode == want_decode ? "ok" : "DIFFERS")
                       << ", skip-special decode " << (decode_skip == want_skip ? "ok" : "DIFFERS")
                       << ", streamed " << (streamed == decode ? "ok" : "DIFFERS");

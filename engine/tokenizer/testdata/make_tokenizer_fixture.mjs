@@ -15,7 +15,8 @@
 // replace the same way.
 //
 // Output: {"reference": "tokenizers <version>", "cases": [{"cat", "text" (base64 of the input
-// bytes), "ids", "decode" and "decode_skip" (base64; omitted when equal to the input bytes)}]}.
+// bytes), "ids", "ids_with_special" (encoded with
+// add_special_tokens; omitted when equal to "ids"), "decode" and "decode_skip" (base64; omitted when equal to the input bytes)}]}.
 import { createRequire } from 'node:module';
 import { execFileSync } from 'node:child_process';
 import fs from 'node:fs';
@@ -209,6 +210,8 @@ for (const c of cases) {
   const d = await tok.decode(ids, false);
   const ds = await tok.decode(ids, true);
   const row = { cat: c.cat, text: c.bytes.toString('base64'), ids };
+  const withSpecial = (await tok.encode(text, null, { addSpecialTokens: true })).getIds();
+  if (JSON.stringify(withSpecial) !== JSON.stringify(ids)) row.ids_with_special = withSpecial;
   const same = (x) => Buffer.from(x, 'utf8').equals(c.bytes);
   if (!same(d)) row.decode = Buffer.from(d, 'utf8').toString('base64');
   if (!same(ds)) row.decode_skip = Buffer.from(ds, 'utf8').toString('base64');
