@@ -13,9 +13,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "cpu_moe/cpu_moe.h"
 #include "engine/engine.h"
+#include "engine/model_weights.h"
 
 namespace moe::engine {
 
@@ -47,6 +50,23 @@ struct ModelEngineOptions {
 // Loads the model and builds the engine. InvalidArgument for bad options, NotFound / the
 // loader's errors for a bad model folder.
 absl::StatusOr<std::unique_ptr<Engine>> CreateModelEngine(const ModelEngineOptions& options);
+
+// An engine over a model already in memory (tests, benchmarks): `weights` and the memory behind
+// `banks` (one cpu_moe bank per MoE layer) stay alive as long as `keepalive` does, which the
+// engine holds; tokenizer and chat template may be null (then prompts must be ids and events
+// carry no text). options.model_dir and expert_format are only reported.
+struct ModelEngineParts {
+  std::shared_ptr<void> keepalive;
+  const ModelWeights* weights = nullptr;
+  std::vector<cpu_moe::ExpertBank> banks;
+  std::shared_ptr<const tokenizer::Tokenizer> tokenizer;
+  std::shared_ptr<const tokenizer::ChatTemplate> chat_template;
+  std::string name;
+  // Routed experts' activations in f32 (cpu_moe's bf16 dot product off), for reference tests.
+  bool f32_expert_activations = false;
+};
+absl::StatusOr<std::unique_ptr<Engine>> CreateModelEngineFromParts(
+    ModelEngineParts parts, const ModelEngineOptions& options);
 
 // The embedded default model's folder (models/tiny_qwen3_moe from the runfiles of the running
 // binary or test, or $MOE_DEFAULT_MODEL_DIR when set); "" when it cannot be found.
