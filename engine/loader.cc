@@ -260,7 +260,7 @@ struct Banks {
 };
 
 absl::StatusOr<moe_cache::BankLayout> MakeLayout(WeightFormat f, int64_t H, int64_t I,
-                                                 Banks* banks) {
+                                                 Banks* banks, bool* padded_scales) {
   std::vector<moe_cache::BankSpec> specs;
   auto add = [&](const char* name, int64_t bytes) {
     specs.push_back({name, static_cast<uint64_t>(bytes), 0});
@@ -290,17 +290,22 @@ absl::StatusOr<moe_cache::BankLayout> MakeLayout(WeightFormat f, int64_t H, int6
       break;
   }
   ASSIGN_OR_RETURN(moe_cache::BankLayout layout, moe_cache::BankLayout::Create(std::move(specs)));
-  // One MoE layer's experts must form a contiguous cpu_moe bank: every bank cpu_moe reads must
-  // have a row pitch equal to its payload (true of every real Qwen shape).
-  for (int b : {banks->gate_up, banks->down, banks->gate_up_scales, banks->down_scales}) {
-    if (b < 0) continue;
+  // One MoE layer's experts must form a contiguous cpu_moe bank: the weight banks' row pitch
+  // must equal their payload. It does whenever H and I are multiples of 32 (checked before), so
+  // this is an internal error.
+  for (int b : {banks->gate_up, banks->down}) {
     if (layout.bank(b).pitch != layout.bank(b).bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
+      return absl::InternalError(absl::StrCat(
           "expert format ", std::string(common::WeightFormatName(f)), " with hidden ", H,
           " and moe_intermediate_size ", I, ": bank '", layout.bank(b).name, "' takes ",
           layout.bank(b).bytes, " bytes per expert, not a multiple of ",
           moe_cache::kRowAlignment, ", so a layer's experts cannot form one contiguous bank"));
     }
+  }
+  // fp8 scale rows of small shapes are padded in the store; cpu_moe then reads copies.
+  *padded_scales = false;
+  for (int b : {banks->gate_up_scales, banks->down_scales}) {
+    if (b >= 0 && layout.bank(b).pitch != layout.bank(b).bytes) *padded_scales = true;
   }
   return layout;
 }
@@ -387,6 +392,13 @@ class ExpertConverter {
       GateUpToFloat(job, s);
       common::QuantizeFp8Block(s.gate_up.data(), 2 * I_, H_, s.gu_bytes.data(), gu_scales);
       common::QuantizeFp8Block(s.down.data(), H_, I_, s.down_bytes.data(), dn_scales);
+    }
+    if (!weights_->gate_up_scales.empty()) {
+      // Distinct (layer, expert) ranges: no two jobs write the same elements.
+      std::memcpy(weights_->gate_up_scales[job.moe_layer].data() + job.expert * gu_sc, gu_scales,
+                  gu_sc * sizeof(float));
+      std::memcpy(weights_->down_scales[job.moe_layer].data() + job.expert * dn_sc, dn_scales,
+                  dn_sc * sizeof(float));
     }
     RETURN_IF_ERROR(Write(job, banks_.gate_up, s.gu_bytes.data(), s.gu_bytes.size()));
     RETURN_IF_ERROR(Write(job, banks_.gate_up_scales, s.gu_scales.data(), s.gu_scales.size()));
@@ -636,12 +648,19 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
           dir, "/config.json: the CPU expert kernels need hidden_size (", H,
           ") and moe_intermediate_size (", I, ") to be multiples of 32, at most 16384"));
     }
-    ASSIGN_OR_RETURN(moe_cache::BankLayout layout, MakeLayout(ef, H, I, &banks));
+    bool padded_scales = false;
+    ASSIGN_OR_RETURN(moe_cache::BankLayout layout, MakeLayout(ef, H, I, &banks, &padded_scales));
     moe_cache::ExpertStore::Options so;
     so.num_layers = num_moe;
     so.num_experts = static_cast<int>(E);
     so.require_pinned = options.require_pinned;
     ASSIGN_OR_RETURN(w->experts, moe_cache::ExpertStore::Create(so, layout));
+    if (padded_scales) {
+      w->gate_up_scales.assign(
+          num_moe, std::vector<float>(E * CeilDiv(2 * I, kFp8Block) * CeilDiv(H, kFp8Block)));
+      w->down_scales.assign(
+          num_moe, std::vector<float>(E * CeilDiv(H, kFp8Block) * CeilDiv(I, kFp8Block)));
+    }
     if (ef == WeightFormat::kNvfp4) {
       w->gate_up_global_scales.assign(num_moe, std::vector<float>(E, 1.0f));
       w->down_global_scales.assign(num_moe, std::vector<float>(E, 1.0f));
@@ -657,7 +676,9 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
   for (const ExpertJob& j : experts) {
     total += SourceBytes(j.gate) + SourceBytes(j.up) + SourceBytes(j.down);
   }
-  const int threads = options.threads > 0 ? options.threads : common::PhysicalCoreCount();
+  // More threads than this only add start-up cost: the conversion is bound by memory.
+  const int threads =
+      std::min(256, options.threads > 0 ? options.threads : common::PhysicalCoreCount());
   common::ThreadPool pool(threads);
   std::vector<Scratch> scratch(pool.num_workers());
   std::vector<absl::Status> status(dense.size() + experts.size());

@@ -48,6 +48,12 @@ cpu_moe::ExpertBank ModelWeights::ExpertBankFor(int moe_index) const {
   bank.down_weights = base("down");
   bank.gate_up_scales = base("gate_up_scales");
   bank.down_scales = base("down_scales");
+  if (expert_format == common::WeightFormat::kFp8Block &&
+      moe_index < static_cast<int>(gate_up_scales.size()) &&
+      moe_index < static_cast<int>(down_scales.size())) {
+    bank.gate_up_scales = gate_up_scales[moe_index].data();
+    bank.down_scales = down_scales[moe_index].data();
+  }
   if (expert_format == common::WeightFormat::kNvfp4 &&
       moe_index < static_cast<int>(gate_up_global_scales.size()) &&
       moe_index < static_cast<int>(down_global_scales.size())) {

@@ -68,6 +68,11 @@ struct ModelWeights {
   // nvfp4 only: per MoE layer, the experts' global scales contiguous ([E] floats each), as
   // cpu_moe::ExpertBank wants them (the store's rows are padded to 16 bytes).
   std::vector<std::vector<float>> gate_up_global_scales, down_global_scales;
+  // fp8_block only, and only for shapes whose per-expert scale rows are not whole 16-byte rows
+  // (the store pads them; real Qwen shapes never need this): per MoE layer, the experts' block
+  // scales contiguous ([E, ceil(2I/128), ceil(H/128)] and [E, ceil(H/128), ceil(I/128)] floats),
+  // which ExpertBankFor hands to cpu_moe instead of the store's padded rows.
+  std::vector<std::vector<float>> gate_up_scales, down_scales;
 
   // The cpu_moe bank of MoE layer `moe_index`, pointing straight into the store's memory (no
   // copy): gate_up rows are [gate; up] stacked ([2*I, H]) as cpu_moe expects, down [H, I];
