@@ -533,6 +533,9 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateModelEngine(const ModelEngineOptio
     parts.banks.push_back(weights->ExpertBankFor(i));
   }
   parts.keepalive = std::shared_ptr<ModelWeights>(std::move(weights));
+  // f32 dense weights are for comparisons with float references: keep the experts' activations
+  // in f32 too.
+  parts.f32_expert_activations = options.dense_f32;
   namespace fs = std::filesystem;
   if (fs::exists(fs::path(dir) / "tokenizer.json")) {
     ASSIGN_OR_RETURN(std::unique_ptr<tokenizer::Tokenizer> tok,

@@ -41,7 +41,8 @@ struct ModelEngineOptions {
   // a fixed summation order, no batch-size-dependent switch to AMX or oneDNN. Slower; the fast
   // mode differs from it only by rounding.
   bool deterministic = false;
-  // Dense weights in f32 instead of bf16 (for comparisons with float references).
+  // Dense weights in f32 instead of bf16, and the routed experts' activations in f32 (cpu_moe's
+  // bf16 dot product off): for comparisons with float references.
   bool dense_f32 = false;
   // Seed of the engine's own seed generator (requests without a seed draw from it).
   uint64_t seed = 0;

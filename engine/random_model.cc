@@ -16,6 +16,7 @@ namespace {
 class Fill {
  public:
   explicit Fill(uint64_t seed) : state_(seed * 0x9E3779B97F4A7C15ull + 1) {}
+  bool fast = false;  // dense tensors repeat a tile of random values (see MakeTensor)
   float Next(float a) {
     state_ ^= state_ << 13;
     state_ ^= state_ >> 7;
@@ -27,20 +28,30 @@ class Fill {
   uint64_t state_;
 };
 
+// With fast_fill, a period of kTile random values repeats over the tensor (the values only need
+// to look random to the kernels, and a full-size model has billions of them).
+constexpr size_t kTile = (1 << 16) + 7;
+
 Tensor MakeTensor(DType dtype, int64_t rows, int64_t cols, Fill& fill, float a, float center) {
   Tensor t;
   t.dtype = dtype;
   t.rows = rows;
   t.cols = cols;
   const size_t n = static_cast<size_t>(rows * cols);
-  t.data = common::AlignedBuffer<uint8_t>(n * (dtype == DType::kF32 ? 4 : 2));
-  for (size_t i = 0; i < n; ++i) {
+  const size_t elem = dtype == DType::kF32 ? 4 : 2;
+  t.data = common::AlignedBuffer<uint8_t>(n * elem);
+  const size_t first = fill.fast ? std::min(n, kTile) : n;
+  for (size_t i = 0; i < first; ++i) {
     const float v = center + fill.Next(a);
     if (dtype == DType::kF32) {
       t.mutable_f32()[i] = v;
     } else {
       t.mutable_bf16()[i] = common::FloatToBf16(v);
     }
+  }
+  // fast: the first tile, copied over the rest.
+  for (size_t i = first; i < n; i += first) {
+    std::memcpy(t.data.data() + i * elem, t.data.data(), std::min(first, n - i) * elem);
   }
   return t;
 }
@@ -65,6 +76,7 @@ absl::StatusOr<RandomModel> MakeRandomModel(const ModelConfig& c,
   w.config = c;
   w.expert_format = options.expert_format;
   Fill fill(options.seed);
+  fill.fast = options.fast_fill;
   const DType dd = options.dense_dtype;
   const float in_h = 1.0f / std::sqrt(static_cast<float>(H));
   w.embed_tokens = MakeTensor(dd, c.vocab_size, H, fill, 1.0f, 0.0f);
