@@ -25,6 +25,7 @@
 #include "engine/loader.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
+#include "engine/tokenizer/chat_template.h"
 #include "engine/tokenizer/tokenizer.h"
 
 namespace moe::engine {
@@ -541,6 +542,14 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateModelEngine(const ModelEngineOptio
     ASSIGN_OR_RETURN(std::unique_ptr<tokenizer::Tokenizer> tok,
                      tokenizer::Tokenizer::FromDirectory(dir));
     parts.tokenizer = std::move(tok);
+  }
+  if (fs::exists(fs::path(dir) / "tokenizer_config.json")) {
+    auto tmpl = tokenizer::ChatTemplate::FromDirectory(dir);
+    if (tmpl.ok()) {
+      parts.chat_template = std::move(*tmpl);
+    } else if (!absl::IsNotFound(tmpl.status())) {
+      return tmpl.status();  // a template this interpreter cannot run: say so at load time
+    }
   }
   parts.name = fs::path(dir).lexically_normal().filename().string();
   if (parts.name.empty()) parts.name = fs::path(dir).lexically_normal().parent_path().filename();

@@ -24,8 +24,10 @@
 #include "engine/model.h"
 #include "engine/model_engine.h"
 #include "engine/npy.h"
+#include "engine/tokenizer/chat_template.h"
 
 ABSL_FLAG(std::string, prompt, "", "prompt text (encoded without special tokens)");
+ABSL_FLAG(bool, chat, false, "wrap the prompt as one user message in the model's chat template");
 ABSL_FLAG(int, max_tokens, 64, "tokens to generate");
 ABSL_FLAG(float, temperature, 0.0f, "0: greedy");
 ABSL_FLAG(int, top_k, 0, "0: off");
@@ -89,6 +91,15 @@ absl::Status Generate(const ModelEngineOptions& options) {
   GenerationRequest r;
   r.prompt_text = absl::GetFlag(FLAGS_prompt);
   if (r.prompt_text.empty()) return absl::InvalidArgumentError("--prompt is empty");
+  if (absl::GetFlag(FLAGS_chat)) {
+    if (engine->chat_template() == nullptr) {
+      return absl::InvalidArgumentError("--chat: the model folder has no chat template");
+    }
+    tokenizer::ChatTemplateInputs in;
+    in.messages.push_back({{"role", "user"}, {"content", r.prompt_text}});
+    in.add_generation_prompt = true;
+    ASSIGN_OR_RETURN(r.prompt_text, engine->chat_template()->Render(in));
+  }
   SamplingParams& sp = r.sampling;
   sp.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   sp.temperature = absl::GetFlag(FLAGS_temperature);
