@@ -1,0 +1,375 @@
+#!/usr/bin/env python3
+"""Builds the engine's Hugging Face reference fixtures (engine/testdata/<case>/).
+
+Each case is a small random qwen3_moe or qwen2_moe checkpoint in the published Qwen layout
+(per-expert tensors, as on the Hub), plus what transformers computes from it on the CPU in
+float32 with eager attention: teacher-forced logits of 3-4 prompts and greedy continuations of 2.
+The engine's hf_fixture_test loads the same folders and must reproduce those numbers.
+
+Weights come from numpy with a fixed seed per case and are rounded to bfloat16-exact values, so
+a float32 checkpoint loses nothing when the engine stores experts in bf16. The FP8 case stores
+expert and attention projections as float8_e4m3fn with a float32 (bf16-exact) weight_scale_inv per
+128x128 block; its reference is transformers running the DEQUANTIZED weights (fp8 * scale_inv) in
+float32, while the engine computes with the fp8 weights and bf16/f32 activations.
+
+Usage (see tools/reference/README.md):
+  python3 tools/reference/make_fixtures.py --out engine/testdata            # needs transformers
+  python3 tools/reference/make_fixtures.py --out /tmp/fx --no-hf           # files only, no logits
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hfio  # noqa: E402
+
+# The cases. Sizes follow the engine's constraints (hidden and intermediate sizes multiples of 32,
+# FP8 expert shapes multiples of 128) and keep all fixtures together under 3 MB.
+CASES = [
+    dict(name="qwen3_gqa_f32", seed=11, model_type="qwen3_moe", dtype="float32",
+         vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
+         moe_inter=32, inter=96, norm_topk=True, tied=False, prompt_lens=[1, 9, 23, 40],
+         notes="qwen3_moe, GQA 4:2, 8 experts top-2, norm_topk_prob, untied lm_head."),
+    dict(name="qwen3_yarn_top3_sharded_f32", seed=22, model_type="qwen3_moe", dtype="float32",
+         vocab=256, hidden=32, layers=2, heads=4, kv_heads=1, head_dim=32, experts=6, top_k=3,
+         moe_inter=32, inter=64, norm_topk=False, tied=False, rope_theta=1000000.0,
+         yarn=dict(factor=4.0, original_max_position_embeddings=16), max_pos=64, shards=2,
+         prompt_lens=[17, 1, 38],
+         notes="qwen3_moe, YaRN (factor 4 over 16 positions), GQA 4:1, head_dim 32 != hidden/heads, "
+               "hidden 32 < heads * head_dim, 6 experts top-3 without norm_topk_prob, sharded into 2 files with an index."),
+    dict(name="qwen3_dense_tied_bf16", seed=33, model_type="qwen3_moe", dtype="bfloat16",
+         vocab=512, hidden=64, layers=3, heads=8, kv_heads=2, head_dim=16, experts=4, top_k=2,
+         moe_inter=64, inter=96, norm_topk=True, tied=True, mlp_only_layers=[1],
+         prompt_lens=[5, 31, 12],
+         notes="qwen3_moe saved in bfloat16 (reference computed in float32 from the bf16 weights), "
+               "tied embeddings, layer 1 dense (mlp_only_layers), 4 experts top-2."),
+    dict(name="qwen2_shared_bias_f32", seed=44, model_type="qwen2_moe", dtype="float32",
+         vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
+         moe_inter=32, inter=64, shared_inter=32, norm_topk=False, tied=False, sparse_step=2,
+         hf_config=True, prompt_lens=[26, 3, 14, 1],
+         notes="qwen2_moe (Qwen1.5-MoE layout): q/k/v bias, shared expert with sigmoid gate, "
+               "decoder_sparse_step 2 (layer 0 dense, layer 1 MoE), config.json as "
+               "transformers 5 writes it (rope_parameters spelling)."),
+    dict(name="qwen3_fp8_block", seed=55, model_type="qwen3_moe", dtype="fp8_block",
+         vocab=256, hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, experts=4, top_k=2,
+         moe_inter=128, inter=128, norm_topk=True, tied=False, prompt_lens=[11, 1, 29],
+         notes="FP8 block checkpoint: expert and attention projections float8_e4m3fn with float32 "
+               "weight_scale_inv per 128x128 block; embeddings, norms, router and lm_head bf16. "
+               "Reference: transformers on the dequantized weights (fp8 * scale_inv) in float32; "
+               "the engine computes with the fp8 weights and bf16/f32 activations."),
+]
+
+GREEDY_TOKENS = 16
+
+
+def is_moe_layer(case, i):
+    if i in case.get("mlp_only_layers", []):
+        return False
+    return case["experts"] > 0 and (i + 1) % case.get("sparse_step", 1) == 0
+
+
+def make_config(case):
+    """config.json as published Qwen checkpoints spell it (transformers 4 keys)."""
+    qwen3 = case["model_type"] == "qwen3_moe"
+    c = {
+        "architectures": ["Qwen3MoeForCausalLM" if qwen3 else "Qwen2MoeForCausalLM"],
+        "model_type": case["model_type"],
+        "vocab_size": case["vocab"],
+        "hidden_size": case["hidden"],
+        "intermediate_size": case["inter"],
+        "moe_intermediate_size": case["moe_inter"],
+        "num_hidden_layers": case["layers"],
+        "num_attention_heads": case["heads"],
+        "num_key_value_heads": case["kv_heads"],
+        "hidden_act": "silu",
+        "max_position_embeddings": case.get("max_pos", 128),
+        "rms_norm_eps": 1e-6,
+        "rope_theta": case.get("rope_theta", 10000.0),
+        "rope_scaling": None,
+        "tie_word_embeddings": case["tied"],
+        "num_experts": case["experts"],
+        "num_experts_per_tok": case["top_k"],
+        "norm_topk_prob": case["norm_topk"],
+        "decoder_sparse_step": case.get("sparse_step", 1),
+        "mlp_only_layers": case.get("mlp_only_layers", []),
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": case["layers"],
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": "bfloat16" if case["dtype"] in ("bfloat16", "fp8_block") else "float32",
+    }
+    if qwen3:
+        c["head_dim"] = case["head_dim"]
+        c["attention_bias"] = False
+    else:
+        if case["hidden"] != case["heads"] * case["head_dim"]:
+            raise ValueError(f"{case['name']}: qwen2_moe has head_dim = hidden / heads")
+        c["shared_expert_intermediate_size"] = case["shared_inter"]
+        c["qkv_bias"] = True
+    if "yarn" in case:
+        c["rope_scaling"] = {"rope_type": "yarn", **case["yarn"]}
+    return c
+
+
+def make_weights(case):
+    """{name: float32 bf16-exact array} in the Hub layout. Scales keep activations O(1) so that
+    logits spread well (greedy ties would make the fixture fragile)."""
+    rng = np.random.default_rng(case["seed"])
+    H, V = case["hidden"], case["vocab"]
+    hd, nh, nkv = case["head_dim"], case["heads"], case["kv_heads"]
+    qwen3 = case["model_type"] == "qwen3_moe"
+
+    def lin(out_f, in_f, gain=1.0):
+        return hfio.bf16_round(rng.standard_normal((out_f, in_f)) * (gain / np.sqrt(in_f)))
+
+    def norm(n):
+        return hfio.bf16_round(1.0 + 0.2 * rng.standard_normal(n))
+
+    w = {"model.embed_tokens.weight": hfio.bf16_round(rng.standard_normal((V, H)))}
+    for i in range(case["layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(H)
+        w[p + "post_attention_layernorm.weight"] = norm(H)
+        a = p + "self_attn."
+        w[a + "q_proj.weight"] = lin(nh * hd, H)
+        w[a + "k_proj.weight"] = lin(nkv * hd, H)
+        w[a + "v_proj.weight"] = lin(nkv * hd, H)
+        w[a + "o_proj.weight"] = lin(H, nh * hd)
+        if qwen3:
+            w[a + "q_norm.weight"] = norm(hd)
+            w[a + "k_norm.weight"] = norm(hd)
+        else:
+            for x, n in (("q", nh), ("k", nkv), ("v", nkv)):
+                w[a + f"{x}_proj.bias"] = hfio.bf16_round(0.5 * rng.standard_normal(n * hd))
+        m = p + "mlp."
+        if is_moe_layer(case, i):
+            w[m + "gate.weight"] = lin(case["experts"], H, gain=2.0)
+            for e in range(case["experts"]):
+                x = m + f"experts.{e}."
+                w[x + "gate_proj.weight"] = lin(case["moe_inter"], H)
+                w[x + "up_proj.weight"] = lin(case["moe_inter"], H)
+                w[x + "down_proj.weight"] = lin(H, case["moe_inter"])
+            if not qwen3:
+                s = m + "shared_expert."
+                w[s + "gate_proj.weight"] = lin(case["shared_inter"], H)
+                w[s + "up_proj.weight"] = lin(case["shared_inter"], H)
+                w[s + "down_proj.weight"] = lin(H, case["shared_inter"])
+                w[m + "shared_expert_gate.weight"] = lin(1, H)
+        else:
+            w[m + "gate_proj.weight"] = lin(case["inter"], H)
+            w[m + "up_proj.weight"] = lin(case["inter"], H)
+            w[m + "down_proj.weight"] = lin(H, case["inter"])
+    w["model.norm.weight"] = norm(H)
+    if not case["tied"]:
+        w["lm_head.weight"] = lin(V, H, gain=2.0)
+    for name, x in w.items():
+        assert np.array_equal(hfio.bf16_round(x), x), name
+    return w
+
+
+def is_fp8_weight(name):
+    """Which tensors an FP8-block Qwen3 checkpoint quantizes: every projection of attention, the
+    experts and dense MLPs; not embeddings, norms, the router or lm_head."""
+    return name.endswith("_proj.weight")
+
+
+def to_tensors(case, weights):
+    """(tensors to save in the case folder, float32 weights the reference runs on)."""
+    saved, ref = {}, {}
+    for name, x in weights.items():
+        if case["dtype"] == "float32":
+            saved[name] = hfio.Tensor.f32(x)
+            ref[name] = x
+        elif case["dtype"] == "bfloat16":
+            saved[name] = hfio.Tensor.bf16(x)
+            ref[name] = x
+        elif case["dtype"] == "fp8_block":
+            if is_fp8_weight(name):
+                codes, scale_inv, deq = hfio.fp8_block_quantize(x)
+                saved[name] = hfio.Tensor.fp8(codes)
+                saved[name + "_scale_inv"] = hfio.Tensor.f32(scale_inv)
+                ref[name] = deq
+            else:
+                saved[name] = hfio.Tensor.bf16(x)
+                ref[name] = x
+        else:
+            raise ValueError(case["dtype"])
+    return saved, ref
+
+
+def make_prompts(case):
+    rng = np.random.default_rng(case["seed"] + 1000)
+    return [[int(t) for t in rng.integers(0, case["vocab"], n)] for n in case["prompt_lens"]]
+
+
+def write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+
+
+def hf_reference(case, folder, ref_folder, prompts, log):
+    """Runs transformers on ref_folder (float32 weights) and returns the reference.json fields
+    and the per-prompt logits."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(0)
+    torch.set_num_threads(16)
+    torch.use_deterministic_algorithms(True)
+    kwargs = dict(dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(ref_folder, experts_implementation="eager", **kwargs)
+    except (TypeError, ValueError) as e:
+        log(f"  experts_implementation=eager not accepted ({e}); default experts implementation")
+        model, info = AutoModelForCausalLM.from_pretrained(ref_folder, **kwargs)
+    bad = {k: [x for x in v if not (case["tied"] and "lm_head" in str(x))] for k, v in info.items()
+           if k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    bad = {k: v for k, v in bad.items() if v}
+    if bad:
+        raise RuntimeError(f"{case['name']}: transformers did not load every tensor: {bad}")
+    model.eval()
+    # The loaded embedding must be ours bit for bit (guards against a silent re-initialization).
+    emb = model.get_input_embeddings().weight.detach().numpy()
+    want = hfio.bf16_round(np.random.default_rng(case["seed"]).standard_normal((case["vocab"], case["hidden"])))
+    if not np.array_equal(emb, want):
+        raise RuntimeError(f"{case['name']}: transformers' embedding differs from the checkpoint")
+
+    logits = []
+    with torch.no_grad():
+        for p in prompts:
+            out = model(torch.tensor([p], dtype=torch.long)).logits[0].float().numpy()
+            logits.append(np.ascontiguousarray(out, dtype=np.float32))
+    # Greedy continuations of the two prompts whose argmax margins are largest (robust fixture).
+    greedy = []
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            ids = torch.tensor([p], dtype=torch.long)
+            gc = GenerationConfig(max_new_tokens=GREEDY_TOKENS, do_sample=False, num_beams=1,
+                                  eos_token_id=None, pad_token_id=0, use_cache=True)
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
+            out = [int(t) for t in gen[0, len(p):]]
+            if len(out) != GREEDY_TOKENS:
+                raise RuntimeError(f"{case['name']}: generate gave {len(out)} tokens")
+            # Cross-check against a full teacher-forced pass (no KV cache): same argmax.
+            full = model(torch.tensor([p + out], dtype=torch.long)).logits[0].float().numpy()
+            steps = full[len(p) - 1:len(p) - 1 + GREEDY_TOKENS]
+            argmax = [int(t) for t in steps.argmax(-1)]
+            top2 = np.sort(steps, axis=-1)[:, -2:]
+            margin = float(np.min(top2[:, 1] - top2[:, 0]))
+            log(f"  prompt {i} (len {len(p)}): greedy {out} min top-2 margin {margin:.4g}"
+                + ("" if argmax == out else f"  MISMATCH with full pass {argmax}"))
+            greedy.append(dict(prompt=p, output=out, margin=margin, consistent=argmax == out))
+    candidates = sorted([g for g in greedy if g["consistent"]], key=lambda g: -g["margin"])[:2]
+    if len(candidates) < 2:
+        raise RuntimeError(f"{case['name']}: fewer than 2 prompts have a consistent greedy output")
+    candidates.sort(key=lambda g: prompts.index(g["prompt"]))
+    ref = {
+        "prompts": prompts,
+        "greedy": [dict(prompt=g["prompt"], output=g["output"]) for g in candidates],
+        "dtype": case["dtype"],
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "notes": case["notes"] + (" Logits: transformers {}, torch {} on the CPU, float32, eager "
+                                  "attention, one prompt per forward. Greedy: model.generate("
+                                  "do_sample=False, no EOS), min top-2 logit margin {:.3g}.").format(
+            transformers.__version__, torch.__version__, min(g["margin"] for g in candidates)),
+    }
+    return ref, logits
+
+
+def build_case(case, out_root, use_hf, log):
+    folder = os.path.join(out_root, case["name"])
+    if os.path.isdir(folder):
+        shutil.rmtree(folder)
+    os.makedirs(folder)
+    config = make_config(case)
+    weights = make_weights(case)
+    saved, ref_weights = to_tensors(case, weights)
+    if case["dtype"] == "fp8_block":
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                         "activation_scheme": "dynamic"}
+    write_json(os.path.join(folder, "config.json"), config)
+    hfio.write_checkpoint(folder, saved, shards=case.get("shards", 1))
+    prompts = make_prompts(case)
+    if not use_hf:
+        write_json(os.path.join(folder, "reference.json"), {"prompts": prompts, "dtype": case["dtype"],
+                                                            "notes": "files only (--no-hf): no logits"})
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_folder = folder
+        if case["dtype"] != "float32":
+            # transformers computes from float32 weights: the bf16 values exactly, the fp8 ones
+            # dequantized. No quantization_config there: the values are already real.
+            ref_folder = tmp
+            ref_config = dict(config)
+            ref_config.pop("quantization_config", None)
+            ref_config["torch_dtype"] = "float32"
+            write_json(os.path.join(tmp, "config.json"), ref_config)
+            hfio.write_checkpoint(tmp, {k: hfio.Tensor.f32(v) for k, v in ref_weights.items()})
+        ref, logits = hf_reference(case, folder, ref_folder, prompts, log)
+    if case.get("hf_config"):
+        # config.json as transformers 5 writes it (rope_parameters, dtype, layer_types).
+        from transformers import AutoConfig
+        hf = AutoConfig.from_pretrained(folder)
+        hf.save_pretrained(folder)
+        with open(os.path.join(folder, "config.json")) as f:
+            written = json.load(f)
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            written.pop(key, None)  # no EOS: greedy runs the full length on both sides
+        write_json(os.path.join(folder, "config.json"), written)
+        gen = os.path.join(folder, "generation_config.json")
+        if os.path.exists(gen):
+            os.remove(gen)
+    write_json(os.path.join(folder, "reference.json"), ref)
+    for i, x in enumerate(logits):
+        assert x.shape == (len(prompts[i]), case["vocab"]), x.shape
+        np.save(os.path.join(folder, f"logits_{i}.npy"), x)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output root (engine/testdata)")
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--no-hf", action="store_true", help="write checkpoints only (no transformers)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    def log(msg):
+        print(msg, flush=True)
+
+    wanted = [c for c in args.cases.split(",") if c]
+    unknown = set(wanted) - {c["name"] for c in CASES}
+    if unknown:
+        sys.exit(f"unknown case(s): {sorted(unknown)}")
+    failed = []
+    for case in CASES:
+        if wanted and case["name"] not in wanted:
+            continue
+        t0 = time.time()
+        log(f"{case['name']}:")
+        try:
+            build_case(case, args.out, not args.no_hf, log)
+            log(f"  done in {time.time() - t0:.1f} s")
+        except Exception as e:  # one broken case must not cost the others (one device call)
+            import traceback
+            traceback.print_exc()
+            failed.append(case["name"])
+            log(f"  FAILED: {e}")
+    if failed:
+        sys.exit(f"failed cases: {failed}")
+
+
+if __name__ == "__main__":
+    main()
