@@ -158,7 +158,7 @@ def hub_state_dict(model, config):
     layout this transformers version keeps in memory (fused gate_up_proj in transformers 5)."""
     E, I, H = config["num_experts"], config["moe_intermediate_size"], config["hidden_size"]
     out = {}
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    params = {n for n, _ in model.named_parameters()}  # a tied lm_head is listed once, as the embedding
     for name, t in model.state_dict().items():
         if name not in params or (name == "lm_head.weight" and config["tie_word_embeddings"]):
             continue
