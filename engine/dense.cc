@@ -1,10 +1,12 @@
 #include "engine/dense.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/aligned_buffer.h"
 #include "common/formats.h"
@@ -40,8 +42,18 @@ struct DenseLinear::Impl {
   }
 };
 
-DenseLinear::DenseLinear(common::ThreadPool* pool, bool deterministic)
-    : pool_(pool), deterministic_(deterministic), impl_(std::make_unique<Impl>()) {}
+DenseLinear::DenseLinear(common::ThreadPool* pool, bool deterministic, int onednn_min_rows)
+    : pool_(pool),
+      deterministic_(deterministic),
+      onednn_min_rows_(onednn_min_rows),
+      impl_(std::make_unique<Impl>()) {
+  if (onednn_min_rows_ < 0) {
+    onednn_min_rows_ = kOnednnMinRows;
+    const char* env = std::getenv("MOE_ENGINE_ONEDNN_MIN_ROWS");
+    int v;
+    if (env != nullptr && absl::SimpleAtoi(env, &v) && v >= 1) onednn_min_rows_ = v;
+  }
+}
 
 DenseLinear::~DenseLinear() = default;
 
@@ -51,7 +63,7 @@ absl::Status DenseLinear::Apply(const Tensor& w, const float* x, int m, float* y
   const bool bf16 = w.dtype == DType::kBf16;
   const void* wp = bf16 ? static_cast<const void*>(w.bf16()) : static_cast<const void*>(w.f32());
   if (m <= 0) return absl::OkStatus();
-  if (deterministic_ || m < kOnednnMinRows) {
+  if (deterministic_ || m < onednn_min_rows_) {
     Gemv(x, m, k, wp, bf16, n, y, accumulate, *pool_);
     return absl::OkStatus();
   }

@@ -19,8 +19,9 @@ namespace moe::engine {
 
 class DenseLinear {
  public:
-  // deterministic: always the per-row GEMV.
-  DenseLinear(common::ThreadPool* pool, bool deterministic);
+  // deterministic: always the per-row GEMV. Otherwise batches of at least onednn_min_rows rows
+  // go through oneDNN (-1: $MOE_ENGINE_ONEDNN_MIN_ROWS, else kOnednnMinRows).
+  DenseLinear(common::ThreadPool* pool, bool deterministic, int onednn_min_rows = -1);
   ~DenseLinear();
   DenseLinear(const DenseLinear&) = delete;
   DenseLinear& operator=(const DenseLinear&) = delete;
@@ -28,13 +29,15 @@ class DenseLinear {
   // y[m, w.rows] = x[m, w.cols] . w^T (+ y when accumulate). Internal on a oneDNN failure.
   absl::Status Apply(const Tensor& w, const float* x, int m, float* y, bool accumulate = false);
 
-  // Rows at or above which a non-deterministic Apply goes through oneDNN.
+  // Rows at or above which a non-deterministic Apply goes through oneDNN by default.
   static constexpr int kOnednnMinRows = 4;
+  int onednn_min_rows() const { return onednn_min_rows_; }
 
  private:
   struct Impl;
   common::ThreadPool* pool_;
   bool deterministic_;
+  int onednn_min_rows_;
   std::unique_ptr<Impl> impl_;
 };
 
