@@ -54,7 +54,8 @@ absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::FromJson(const json& model) 
   if (auto s = get_bool("byte_fallback", &bpe->byte_fallback_); !s.ok()) return s;
   if (auto s = get_bool("ignore_merges", &bpe->ignore_merges_); !s.ok()) return s;
 
-  if (!model.contains("vocab") || !model["vocab"].is_object()) return Invalid("vocab is not an object");
+  if (!model.contains("vocab") || !model["vocab"].is_object())
+    return Invalid("vocab is not an object");
   const json& vocab = model["vocab"];
   bpe->vocab_.reserve(vocab.size());
   int32_t max_id = -1;
@@ -75,7 +76,8 @@ absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::FromJson(const json& model) 
   }
   if (!unk.empty()) {
     auto it = bpe->vocab_.find(unk);
-    if (it == bpe->vocab_.end()) return Invalid(absl::StrCat("unk_token ", unk, " is not in vocab"));
+    if (it == bpe->vocab_.end())
+      return Invalid(absl::StrCat("unk_token ", unk, " is not in vocab"));
     bpe->unk_id_ = it->second;
   }
   for (int b = 0; b < 256; ++b) {

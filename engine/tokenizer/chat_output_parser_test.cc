@@ -20,7 +20,7 @@ struct Collected {
 };
 
 Collected Parse(const std::vector<std::string>& pieces, bool starts_in_reasoning = false,
-              bool parse_tool_calls = true) {
+                bool parse_tool_calls = true) {
   ChatOutputParser parser(starts_in_reasoning, parse_tool_calls);
   Collected c;
   for (const std::string& p : pieces) c.Add(parser.Feed(p));
@@ -88,10 +88,11 @@ TEST(ChatOutputParserTest, StartsInReasoning) {
 }
 
 TEST(ChatOutputParserTest, MalformedJsonBecomesAnErrorCall) {
-  const Collected c = Parse({"a<tool_call>{\"name\": \"f\", \"arguments\": {oops}</tool_call>b",
-                           "<tool_call>[1, 2]</tool_call><tool_call>{\"arguments\": {}}</tool_call>",
-                           "<tool_call>{\"name\": \"g\", \"arguments\": \"not json\"}</tool_call>",
-                           "<tool_call>{\"name\": \"h\", \"arguments\": \"{\\\"x\\\": 1}\"}</tool_call>"});
+  const Collected c =
+      Parse({"a<tool_call>{\"name\": \"f\", \"arguments\": {oops}</tool_call>b",
+             "<tool_call>[1, 2]</tool_call><tool_call>{\"arguments\": {}}</tool_call>",
+             "<tool_call>{\"name\": \"g\", \"arguments\": \"not json\"}</tool_call>",
+             "<tool_call>{\"name\": \"h\", \"arguments\": \"{\\\"x\\\": 1}\"}</tool_call>"});
   EXPECT_EQ(c.content, "ab");
   ASSERT_EQ(c.calls.size(), 5u);
   for (int i = 0; i < 4; ++i) {
@@ -125,7 +126,8 @@ TEST(ChatOutputParserTest, UnterminatedBlocks) {
 }
 
 TEST(ChatOutputParserTest, ToolCallParsingOff) {
-  const Collected c = Parse({"<tool_call>{\"name\": \"f\"}</tool_call>"}, false, /*parse_tool_calls=*/false);
+  const Collected c =
+      Parse({"<tool_call>{\"name\": \"f\"}</tool_call>"}, false, /*parse_tool_calls=*/false);
   EXPECT_EQ(c.content, "<tool_call>{\"name\": \"f\"}</tool_call>");
   EXPECT_TRUE(c.calls.empty());
 }

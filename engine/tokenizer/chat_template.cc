@@ -118,52 +118,79 @@ struct Args {
 
 bool Truthy(const Value& v) {
   switch (v.kind) {
-    case Value::Kind::kUndefined: return false;
+    case Value::Kind::kUndefined:
+      return false;
     case Value::Kind::kNamespace:
-    case Value::Kind::kCallable: return true;
-    case Value::Kind::kJson: break;
+    case Value::Kind::kCallable:
+      return true;
+    case Value::Kind::kJson:
+      break;
   }
   const Json& j = v.json;
   switch (j.type()) {
-    case Json::value_t::null: return false;
-    case Json::value_t::boolean: return j.get<bool>();
-    case Json::value_t::number_integer: return j.get<int64_t>() != 0;
-    case Json::value_t::number_unsigned: return j.get<uint64_t>() != 0;
-    case Json::value_t::number_float: return j.get<double>() != 0;
-    case Json::value_t::string: return !j.get_ref<const std::string&>().empty();
+    case Json::value_t::null:
+      return false;
+    case Json::value_t::boolean:
+      return j.get<bool>();
+    case Json::value_t::number_integer:
+      return j.get<int64_t>() != 0;
+    case Json::value_t::number_unsigned:
+      return j.get<uint64_t>() != 0;
+    case Json::value_t::number_float:
+      return j.get<double>() != 0;
+    case Json::value_t::string:
+      return !j.get_ref<const std::string&>().empty();
     case Json::value_t::array:
-    case Json::value_t::object: return !j.empty();
-    default: return false;
+    case Json::value_t::object:
+      return !j.empty();
+    default:
+      return false;
   }
 }
 
 std::string TypeName(const Value& v) {
   switch (v.kind) {
-    case Value::Kind::kUndefined: return "undefined";
-    case Value::Kind::kNamespace: return "namespace";
-    case Value::Kind::kCallable: return "function";
-    case Value::Kind::kJson: break;
+    case Value::Kind::kUndefined:
+      return "undefined";
+    case Value::Kind::kNamespace:
+      return "namespace";
+    case Value::Kind::kCallable:
+      return "function";
+    case Value::Kind::kJson:
+      break;
   }
   switch (v.json.type()) {
-    case Json::value_t::null: return "NoneType";
-    case Json::value_t::boolean: return "bool";
+    case Json::value_t::null:
+      return "NoneType";
+    case Json::value_t::boolean:
+      return "bool";
     case Json::value_t::number_integer:
-    case Json::value_t::number_unsigned: return "int";
-    case Json::value_t::number_float: return "float";
-    case Json::value_t::string: return "str";
-    case Json::value_t::array: return "list";
-    case Json::value_t::object: return "dict";
-    default: return "value";
+    case Json::value_t::number_unsigned:
+      return "int";
+    case Json::value_t::number_float:
+      return "float";
+    case Json::value_t::string:
+      return "str";
+    case Json::value_t::array:
+      return "list";
+    case Json::value_t::object:
+      return "dict";
+    default:
+      return "value";
   }
 }
 
 // The JSON a value stands for where data is needed (list elements, tojson).
 Json ToJson(const Value& v, int line) {
   switch (v.kind) {
-    case Value::Kind::kJson: return v.json;
-    case Value::Kind::kNamespace: return *v.ns;
-    case Value::Kind::kUndefined: return Json();
-    case Value::Kind::kCallable: break;
+    case Value::Kind::kJson:
+      return v.json;
+    case Value::Kind::kNamespace:
+      return *v.ns;
+    case Value::Kind::kUndefined:
+      return Json();
+    case Value::Kind::kCallable:
+      break;
   }
   Fail(line, absl::StrCat("a function (", v.name, ") cannot be used as data"));
 }
@@ -171,10 +198,14 @@ Json ToJson(const Value& v, int line) {
 // str(value) as Jinja prints it.
 std::string ToText(const Value& v) {
   switch (v.kind) {
-    case Value::Kind::kUndefined: return "";
-    case Value::Kind::kJson: return PyStr(v.json);
-    case Value::Kind::kNamespace: return "<Namespace " + internal::PyRepr(*v.ns) + ">";
-    case Value::Kind::kCallable: return "<function " + v.name + ">";
+    case Value::Kind::kUndefined:
+      return "";
+    case Value::Kind::kJson:
+      return PyStr(v.json);
+    case Value::Kind::kNamespace:
+      return "<Namespace " + internal::PyRepr(*v.ns) + ">";
+    case Value::Kind::kCallable:
+      return "<function " + v.name + ">";
   }
   return "";
 }
@@ -186,7 +217,9 @@ std::string ToText(const Value& v) {
 bool JsonEquals(const Json& a, const Json& b) {
   // Python compares 1 == 1.0 and True == 1 as equal.
   if ((a.is_number() || a.is_boolean()) && (b.is_number() || b.is_boolean())) {
-    auto num = [](const Json& j) { return j.is_boolean() ? (j.get<bool>() ? 1.0 : 0.0) : j.get<double>(); };
+    auto num = [](const Json& j) {
+      return j.is_boolean() ? (j.get<bool>() ? 1.0 : 0.0) : j.get<double>();
+    };
     if (a.is_number_integer() && b.is_number_integer()) return a.get<int64_t>() == b.get<int64_t>();
     return num(a) == num(b);
   }
@@ -227,7 +260,9 @@ int Compare(const Value& a, const Value& b, int line) {
         const int64_t p = x.get<int64_t>(), q = y.get<int64_t>();
         return p < q ? -1 : p > q ? 1 : 0;
       }
-      auto num = [](const Json& j) { return j.is_boolean() ? (j.get<bool>() ? 1.0 : 0.0) : j.get<double>(); };
+      auto num = [](const Json& j) {
+        return j.is_boolean() ? (j.get<bool>() ? 1.0 : 0.0) : j.get<double>();
+      };
       const double p = num(x), q = num(y);
       return p < q ? -1 : p > q ? 1 : 0;
     }
@@ -262,7 +297,8 @@ std::vector<Value> Iterate(const Value& v, int line) {
       return out;
     }
     if (j.is_string()) {
-      for (char32_t c : ToU32(j.get<std::string>())) out.push_back(Value::Of(FromU32(std::u32string(1, c))));
+      for (char32_t c : ToU32(j.get<std::string>()))
+        out.push_back(Value::Of(FromU32(std::u32string(1, c))));
       return out;
     }
   }
@@ -310,33 +346,62 @@ std::string Unescape(const std::string& s, int line) {
     }
     const char c = s[++i];
     auto hex = [&](int n) -> char32_t {
-      if (i + n >= s.size() + 0 && i + n > s.size() - 1 + 1) Fail(line, "truncated escape in string");
+      if (i + n >= s.size() + 0 && i + n > s.size() - 1 + 1)
+        Fail(line, "truncated escape in string");
       char32_t v = 0;
       for (int k = 1; k <= n; ++k) {
         if (i + k >= s.size() || !std::isxdigit(static_cast<unsigned char>(s[i + k]))) {
           Fail(line, "bad escape in string literal");
         }
         const char h = s[i + k];
-        v = v * 16 + (std::isdigit(static_cast<unsigned char>(h)) ? h - '0' : (std::tolower(h) - 'a' + 10));
+        v = v * 16 +
+            (std::isdigit(static_cast<unsigned char>(h)) ? h - '0' : (std::tolower(h) - 'a' + 10));
       }
       i += n;
       return v;
     };
     switch (c) {
-      case 'n': out.push_back('\n'); break;
-      case 't': out.push_back('\t'); break;
-      case 'r': out.push_back('\r'); break;
-      case 'b': out.push_back('\b'); break;
-      case 'f': out.push_back('\f'); break;
-      case 'v': out.push_back('\v'); break;
-      case 'a': out.push_back('\a'); break;
-      case '\\': out.push_back('\\'); break;
-      case '\'': out.push_back('\''); break;
-      case '"': out.push_back('"'); break;
-      case '\n': break;
-      case 'x': internal::AppendUtf8(hex(2), &out); break;
-      case 'u': internal::AppendUtf8(hex(4), &out); break;
-      case 'U': internal::AppendUtf8(hex(8), &out); break;
+      case 'n':
+        out.push_back('\n');
+        break;
+      case 't':
+        out.push_back('\t');
+        break;
+      case 'r':
+        out.push_back('\r');
+        break;
+      case 'b':
+        out.push_back('\b');
+        break;
+      case 'f':
+        out.push_back('\f');
+        break;
+      case 'v':
+        out.push_back('\v');
+        break;
+      case 'a':
+        out.push_back('\a');
+        break;
+      case '\\':
+        out.push_back('\\');
+        break;
+      case '\'':
+        out.push_back('\'');
+        break;
+      case '"':
+        out.push_back('"');
+        break;
+      case '\n':
+        break;
+      case 'x':
+        internal::AppendUtf8(hex(2), &out);
+        break;
+      case 'u':
+        internal::AppendUtf8(hex(4), &out);
+        break;
+      case 'U':
+        internal::AppendUtf8(hex(8), &out);
+        break;
       default:
         if (c >= '0' && c <= '7') {
           char32_t v = c - '0';
@@ -495,15 +560,20 @@ class Lexer {
       const char c = src_[p];
       if (std::isalpha(static_cast<unsigned char>(c)) || c == '_') {
         size_t q = p;
-        while (q < src_.size() && (std::isalnum(static_cast<unsigned char>(src_[q])) || src_[q] == '_')) ++q;
+        while (q < src_.size() &&
+               (std::isalnum(static_cast<unsigned char>(src_[q])) || src_[q] == '_'))
+          ++q;
         t.type = Token::Type::kName;
         t.text = src_.substr(p, q - p);
         p = q;
       } else if (std::isdigit(static_cast<unsigned char>(c))) {
         size_t q = p;
         bool is_float = false;
-        while (q < src_.size() && (std::isdigit(static_cast<unsigned char>(src_[q])) || src_[q] == '_')) ++q;
-        if (q + 1 < src_.size() && src_[q] == '.' && std::isdigit(static_cast<unsigned char>(src_[q + 1]))) {
+        while (q < src_.size() &&
+               (std::isdigit(static_cast<unsigned char>(src_[q])) || src_[q] == '_'))
+          ++q;
+        if (q + 1 < src_.size() && src_[q] == '.' &&
+            std::isdigit(static_cast<unsigned char>(src_[q + 1]))) {
           is_float = true;
           ++q;
           while (q < src_.size() && std::isdigit(static_cast<unsigned char>(src_[q]))) ++q;
@@ -535,9 +605,9 @@ class Lexer {
         t.text = Unescape(src_.substr(p + 1, q - p - 1), t.line);
         p = q + 1;
       } else {
-        static const char* const kOps[] = {"**", "//", "==", "!=", "<=", ">=", "+", "-", "*", "/",
-                                           "%",  "~",  "<",  ">",  "(",  ")",  "[", "]", "{", "}",
-                                           ",",  ".",  ":",  "|",  "="};
+        static const char* const kOps[] = {"**", "//", "==", "!=", "<=", ">=", "+", "-", "*",
+                                           "/",  "%",  "~",  "<",  ">",  "(",  ")", "[", "]",
+                                           "{",  "}",  ",",  ".",  ":",  "|",  "="};
         bool found = false;
         for (const char* op : kOps) {
           if (src_.compare(p, std::strlen(op), op) == 0) {
@@ -815,7 +885,8 @@ struct Conditional : Expr {
 bool Contains(const Value& container, const Value& item, int line) {
   if (container.is_string()) {
     if (!item.is_string()) {
-      Fail(line, absl::StrCat("'in <string>' requires string as left operand, not ", TypeName(item)));
+      Fail(line,
+           absl::StrCat("'in <string>' requires string as left operand, not ", TypeName(item)));
     }
     return container.str().find(item.str()) != std::string::npos;
   }
@@ -843,11 +914,16 @@ Value Arith(const std::string& op, const Value& a, const Value& b, int line) {
   const Json& x = a.json;
   const Json& y = b.json;
   const bool xnum = x.is_number() || x.is_boolean(), ynum = y.is_number() || y.is_boolean();
-  auto as_int = [](const Json& j) { return j.is_boolean() ? (j.get<bool>() ? 1 : 0) : j.get<int64_t>(); };
-  auto as_dbl = [](const Json& j) { return j.is_boolean() ? (j.get<bool>() ? 1.0 : 0.0) : j.get<double>(); };
+  auto as_int = [](const Json& j) {
+    return j.is_boolean() ? (j.get<bool>() ? 1 : 0) : j.get<int64_t>();
+  };
+  auto as_dbl = [](const Json& j) {
+    return j.is_boolean() ? (j.get<bool>() ? 1.0 : 0.0) : j.get<double>();
+  };
   const bool ints = xnum && ynum && !x.is_number_float() && !y.is_number_float();
   if (op == "+") {
-    if (x.is_string() && y.is_string()) return Value::Of(x.get<std::string>() + y.get<std::string>());
+    if (x.is_string() && y.is_string())
+      return Value::Of(x.get<std::string>() + y.get<std::string>());
     if (x.is_array() && y.is_array()) {
       Json out = x;
       for (const Json& e : y) out.push_back(e);
@@ -982,9 +1058,10 @@ struct ForStmt : Stmt {
     const int64_t n = static_cast<int64_t>(items.size());
     for (int64_t i = 0; i < n; ++i) {
       Bind(ctx, items[i]);
-      Json loop = {{"index", i + 1},        {"index0", i},       {"revindex", n - i},
-                   {"revindex0", n - i - 1}, {"first", i == 0},   {"last", i == n - 1},
-                   {"length", n},            {"depth", 1},        {"depth0", 0}};
+      Json loop = {
+          {"index", i + 1},  {"index0", i},        {"revindex", n - i}, {"revindex0", n - i - 1},
+          {"first", i == 0}, {"last", i == n - 1}, {"length", n},       {"depth", 1},
+          {"depth0", 0}};
       if (i > 0) loop["previtem"] = ToJson(items[i - 1], line);
       if (i + 1 < n) loop["nextitem"] = ToJson(items[i + 1], line);
       ctx.Set("loop", Value::Of(std::move(loop)));
@@ -999,7 +1076,8 @@ struct ForStmt : Stmt {
       return;
     }
     if (!item.is_json() || !item.json.is_array() || item.json.size() != targets.size()) {
-      Fail(line, absl::StrCat("cannot unpack ", TypeName(item), " into ", targets.size(), " names"));
+      Fail(line,
+           absl::StrCat("cannot unpack ", TypeName(item), " into ", targets.size(), " names"));
     }
     for (size_t k = 0; k < targets.size(); ++k) ctx.Set(targets[k], Value::Of(item.json[k]));
   }
@@ -1023,7 +1101,8 @@ struct SetStmt : Stmt {
     if (!attr.empty()) {
       const Value ns = ctx.Lookup(targets[0]);
       if (ns.kind != Value::Kind::kNamespace) {
-        Fail(line, absl::StrCat("cannot assign attribute on non-namespace object '", targets[0], "'"));
+        Fail(line,
+             absl::StrCat("cannot assign attribute on non-namespace object '", targets[0], "'"));
       }
       (*ns.ns)[attr] = ToJson(v, line);
       return Flow::kNormal;
@@ -1067,25 +1146,26 @@ struct MacroStmt : Stmt {
   Flow Exec(Context& ctx, std::string*) const override {
     const MacroDef* m = def.get();
     ctx.Set(m->name, Value::Func(m->name, [m](Args& args, Context& c, int line) -> Value {
-      if (++c.depth > 64) Fail(line, "macro recursion too deep");
-      ScopeGuard scope(c);
-      if (args.pos.size() > m->params.size()) Fail(line, absl::StrCat("too many arguments to macro ", m->name));
-      for (size_t i = 0; i < m->params.size(); ++i) {
-        const auto& [pname, def_expr] = m->params[i];
-        const Value* a = args.Get(i, pname.c_str());
-        if (a) {
-          c.Set(pname, *a);
-        } else if (def_expr) {
-          c.Set(pname, def_expr->Eval(c));
-        } else {
-          c.Set(pname, Value::Undefined(pname));
-        }
-      }
-      std::string out;
-      ExecBody(m->body, c, &out);
-      --c.depth;
-      return Value::Of(out);
-    }));
+              if (++c.depth > 64) Fail(line, "macro recursion too deep");
+              ScopeGuard scope(c);
+              if (args.pos.size() > m->params.size())
+                Fail(line, absl::StrCat("too many arguments to macro ", m->name));
+              for (size_t i = 0; i < m->params.size(); ++i) {
+                const auto& [pname, def_expr] = m->params[i];
+                const Value* a = args.Get(i, pname.c_str());
+                if (a) {
+                  c.Set(pname, *a);
+                } else if (def_expr) {
+                  c.Set(pname, def_expr->Eval(c));
+                } else {
+                  c.Set(pname, Value::Undefined(pname));
+                }
+              }
+              std::string out;
+              ExecBody(m->body, c, &out);
+              --c.depth;
+              return Value::Of(out);
+            }));
     return Flow::kNormal;
   }
   std::shared_ptr<MacroDef> def;
@@ -1096,19 +1176,21 @@ struct MacroStmt : Stmt {
 
 const std::set<std::string>& KnownFilters() {
   static const auto* const k = new std::set<std::string>{
-      "abs", "capitalize", "count", "d", "default", "dictsort", "first", "float", "int", "items",
-      "join", "last", "length", "list", "lower", "map", "max", "min", "reject", "rejectattr",
-      "replace", "reverse", "round", "safe", "select", "selectattr", "sort", "string", "sum",
-      "title", "tojson", "trim", "unique", "upper", "wordcount"};
+      "abs",     "capitalize", "count",  "d",      "default",    "dictsort",   "first",
+      "float",   "int",        "items",  "join",   "last",       "length",     "list",
+      "lower",   "map",        "max",    "min",    "reject",     "rejectattr", "replace",
+      "reverse", "round",      "safe",   "select", "selectattr", "sort",       "string",
+      "sum",     "title",      "tojson", "trim",   "unique",     "upper",      "wordcount"};
   return *k;
 }
 
 const std::set<std::string>& KnownTests() {
   static const auto* const k = new std::set<std::string>{
-      "boolean", "callable", "defined", "divisibleby", "eq", "equalto", "even", "false", "float",
-      "ge", "gt", "in", "integer", "iterable", "le", "lower", "lt", "mapping", "ne", "none",
-      "number", "odd", "sameas", "sequence", "string", "true", "undefined", "upper", "==", "!=",
-      "<", ">", "<=", ">="};
+      "boolean", "callable", "defined",  "divisibleby", "eq",   "equalto",   "even",
+      "false",   "float",    "ge",       "gt",          "in",   "integer",   "iterable",
+      "le",      "lower",    "lt",       "mapping",     "ne",   "none",      "number",
+      "odd",     "sameas",   "sequence", "string",      "true", "undefined", "upper",
+      "==",      "!=",       "<",        ">",           "<=",   ">="};
   return *k;
 }
 
@@ -1143,14 +1225,16 @@ class Parser {
         ++at_;
         continue;
       }
-      if (p.tokens.empty() || p.tokens[0].type != Token::Type::kName) Fail(p.line, "empty or malformed tag");
+      if (p.tokens.empty() || p.tokens[0].type != Token::Type::kName)
+        Fail(p.line, "empty or malformed tag");
       const std::string& tag = p.tokens[0].text;
       if (ends.count(tag)) return body;
       body.push_back(ParseStatement(p));
     }
     if (!ends.empty()) {
       std::string expected;
-      for (const std::string& e : ends) absl::StrAppend(&expected, expected.empty() ? "" : " or ", "'", e, "'");
+      for (const std::string& e : ends)
+        absl::StrAppend(&expected, expected.empty() ? "" : " or ", "'", e, "'");
       Fail(pieces_.empty() ? 1 : pieces_.back().line,
            absl::StrCat("unexpected end of template, expected ", expected));
     }
@@ -1315,7 +1399,8 @@ class Parser {
     ++tok_;
   }
   std::string ExpectIdent() {
-    if (AtEnd() || Peek().type != Token::Type::kName) Fail(line_, absl::StrCat("expected a name", Found()));
+    if (AtEnd() || Peek().type != Token::Type::kName)
+      Fail(line_, absl::StrCat("expected a name", Found()));
     return Next().text;
   }
   void ExpectEnd() {
@@ -1360,7 +1445,8 @@ class Parser {
         Next();
         otherwise = ParseOr(true);
       }
-      return std::make_unique<Conditional>(line, std::move(left), std::move(cond), std::move(otherwise));
+      return std::make_unique<Conditional>(line, std::move(left), std::move(cond),
+                                           std::move(otherwise));
     }
     return left;
   }
@@ -1474,11 +1560,15 @@ class Parser {
         while (!AtEnd() && Peek().type == Token::Type::kString) s += Next().text;  // 'a' 'b'
         return std::make_unique<Literal>(line, Json(s));
       }
-      case Token::Type::kInt: return std::make_unique<Literal>(line, Json(t.i));
-      case Token::Type::kFloat: return std::make_unique<Literal>(line, Json(t.f));
+      case Token::Type::kInt:
+        return std::make_unique<Literal>(line, Json(t.i));
+      case Token::Type::kFloat:
+        return std::make_unique<Literal>(line, Json(t.f));
       case Token::Type::kName:
-        if (t.text == "true" || t.text == "True") return std::make_unique<Literal>(line, Json(true));
-        if (t.text == "false" || t.text == "False") return std::make_unique<Literal>(line, Json(false));
+        if (t.text == "true" || t.text == "True")
+          return std::make_unique<Literal>(line, Json(true));
+        if (t.text == "false" || t.text == "False")
+          return std::make_unique<Literal>(line, Json(false));
         if (t.text == "none" || t.text == "None") return std::make_unique<Literal>(line, Json());
         return std::make_unique<Name>(line, t.text);
       case Token::Type::kOp:
@@ -1600,7 +1690,8 @@ class Parser {
       if (PeekOp("|")) {
         Next();
         std::string name = ExpectIdent();
-        if (!KnownFilters().count(name)) Fail(line, absl::StrCat("unsupported filter '", name, "'"));
+        if (!KnownFilters().count(name))
+          Fail(line, absl::StrCat("unsupported filter '", name, "'"));
         auto f = std::make_unique<FilterExpr>(line, std::move(node), name);
         if (PeekOp("(")) {
           Next();
@@ -1626,13 +1717,13 @@ class Parser {
           Next();
           std::vector<std::pair<std::string, ExprPtr>> kw;
           ParseCallArgs(&t->pos, &kw);
-        } else if (!AtEnd() && (Peek().type != Token::Type::kName ||
-                                (Peek().text != "and" && Peek().text != "or" &&
-                                 Peek().text != "else" && Peek().text != "if" &&
-                                 Peek().text != "is" && Peek().text != "in" &&
-                                 Peek().text != "not")) &&
-                   !(Peek().type == Token::Type::kOp && Peek().text != "(" &&
-                     Peek().text != "[" && Peek().text != "{" && Peek().text != "-")) {
+        } else if (!AtEnd() &&
+                   (Peek().type != Token::Type::kName ||
+                    (Peek().text != "and" && Peek().text != "or" && Peek().text != "else" &&
+                     Peek().text != "if" && Peek().text != "is" && Peek().text != "in" &&
+                     Peek().text != "not")) &&
+                   !(Peek().type == Token::Type::kOp && Peek().text != "(" && Peek().text != "[" &&
+                     Peek().text != "{" && Peek().text != "-")) {
           // `is sameas false`, `is divisibleby 3`: one argument without parentheses.
           t->pos.push_back(ParseUnary(false));
         }
@@ -1752,7 +1843,10 @@ std::string CaseMap(const std::string& s, int mode) {  // 0 lower, 1 upper, 2 ti
     if (mode == 1) m = u_toupper(c);
     if (mode == 2) m = prev_cased ? u_tolower(c) : u_totitle(c);
     if (mode == 3) m = i == 0 ? u_totitle(c) : u_tolower(c);
-    prev_cased = u_hasBinaryProperty(c, UCHAR_CASED) || u_hasBinaryProperty(c, UCHAR_CASE_IGNORABLE) ? (u_hasBinaryProperty(c, UCHAR_CASED) || (prev_cased && u_hasBinaryProperty(c, UCHAR_CASE_IGNORABLE))) : false;
+    prev_cased = u_hasBinaryProperty(c, UCHAR_CASED) || u_hasBinaryProperty(c, UCHAR_CASE_IGNORABLE)
+                     ? (u_hasBinaryProperty(c, UCHAR_CASED) ||
+                        (prev_cased && u_hasBinaryProperty(c, UCHAR_CASE_IGNORABLE)))
+                     : false;
     internal::AppendUtf8(m, &out);
   }
   return out;
@@ -1763,7 +1857,8 @@ bool StartsOrEnds(const std::string& s, const Value& arg, bool starts, int line)
     if (!p.is_string()) Fail(line, "startswith/endswith argument must be a string");
     const std::string& x = p.get_ref<const std::string&>();
     if (x.size() > s.size()) return false;
-    return starts ? s.compare(0, x.size(), x) == 0 : s.compare(s.size() - x.size(), x.size(), x) == 0;
+    return starts ? s.compare(0, x.size(), x) == 0
+                  : s.compare(s.size() - x.size(), x.size(), x) == 0;
   };
   if (arg.is_json() && arg.json.is_array()) {
     for (const Json& p : arg.json) {
@@ -1777,9 +1872,9 @@ bool StartsOrEnds(const std::string& s, const Value& arg, bool starts, int line)
 
 Value StringMethod(const std::string& self, const std::string& name) {
   static const std::set<std::string> kMethods = {
-      "startswith", "endswith", "split", "rsplit", "strip", "lstrip", "rstrip", "replace",
-      "upper", "lower", "title", "capitalize", "find", "count", "join", "splitlines", "isdigit",
-      "isalpha", "isspace", "format"};
+      "startswith", "endswith",   "split",   "rsplit",  "strip",      "lstrip", "rstrip",
+      "replace",    "upper",      "lower",   "title",   "capitalize", "find",   "count",
+      "join",       "splitlines", "isdigit", "isalpha", "isspace",    "format"};
   if (!kMethods.count(name)) return Value::Undefined(absl::StrCat("str.", name));
   return Value::Func("str." + name, [self, name](Args& a, Context&, int l) -> Value {
     const Value* a0 = a.Get(0, "");
@@ -1818,7 +1913,8 @@ Value StringMethod(const std::string& self, const std::string& name) {
       }
       if (sub.empty()) return Value::Of(static_cast<int64_t>(ToU32(self).size() + 1));
       int64_t n = 0;
-      for (size_t k = self.find(sub); k != std::string::npos; k = self.find(sub, k + sub.size())) ++n;
+      for (size_t k = self.find(sub); k != std::string::npos; k = self.find(sub, k + sub.size()))
+        ++n;
       return Value::Of(n);
     }
     if (name == "join") {
@@ -1923,7 +2019,8 @@ Value GetItem(const Value& obj, const Value& key, int line) {
     }
     if (j.is_array() || j.is_string()) {
       if (key.is_string()) return GetAttr(obj, key.str(), line);
-      if (!key.is_integer()) Fail(line, absl::StrCat("indices must be integers, not ", TypeName(key)));
+      if (!key.is_integer())
+        Fail(line, absl::StrCat("indices must be integers, not ", TypeName(key)));
       int64_t i = key.json.get<int64_t>();
       if (j.is_array()) {
         const int64_t n = static_cast<int64_t>(j.size());
@@ -1960,8 +2057,10 @@ bool ApplyTest(const std::string& name, const Value& v, Args& args, int line) {
   if (name == "none") return v.is_none();
   if (name == "string") return v.is_string();
   if (name == "mapping") return (json && v.json.is_object()) || v.kind == Value::Kind::kNamespace;
-  if (name == "iterable") return json && (v.json.is_array() || v.json.is_object() || v.json.is_string());
-  if (name == "sequence") return json && (v.json.is_array() || v.json.is_object() || v.json.is_string());
+  if (name == "iterable")
+    return json && (v.json.is_array() || v.json.is_object() || v.json.is_string());
+  if (name == "sequence")
+    return json && (v.json.is_array() || v.json.is_object() || v.json.is_string());
   if (name == "number") return json && (v.json.is_number() || v.json.is_boolean());
   if (name == "integer") return json && v.json.is_number_integer();
   if (name == "float") return json && v.json.is_number_float();
@@ -2003,7 +2102,8 @@ Value Attribute(const Value& item, const std::string& path, int line) {
   size_t start = 0;
   while (true) {
     const size_t dot = path.find('.', start);
-    const std::string part = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    const std::string part =
+        path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
     const bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), ::isdigit);
     if (v.undefined()) return v;
     v = numeric ? GetItem(v, Value::Of(std::stoll(part)), line) : GetItem(v, Value::Of(part), line);
@@ -2035,8 +2135,8 @@ Value ApplyFilter(const std::string& name, const Value& v, Args& args, Context& 
       indent = static_cast<int>(ToInt(*i, line, "indent"));
     }
     std::optional<std::string> item_sep, key_sep;
-    if (const Value* s = args.Get(2, "separators"); s && s->is_json() && s->json.is_array() &&
-                                                    s->json.size() == 2) {
+    if (const Value* s = args.Get(2, "separators");
+        s && s->is_json() && s->json.is_array() && s->json.size() == 2) {
       item_sep = s->json[0].get<std::string>();
       key_sep = s->json[1].get<std::string>();
     }
@@ -2061,7 +2161,8 @@ Value ApplyFilter(const std::string& name, const Value& v, Args& args, Context& 
     const Value* b = args.Get(1, "new");
     if (!a0 || !b) Fail(line, "replace needs two arguments");
     const Value* c = args.Get(2, "count");
-    return Value::Of(PyReplace(ToText(v), ToText(*a0), ToText(*b), c ? ToInt(*c, line, "count") : -1));
+    return Value::Of(
+        PyReplace(ToText(v), ToText(*a0), ToText(*b), c ? ToInt(*c, line, "count") : -1));
   }
   if (name == "int") {
     if (v.is_integer()) return v;
@@ -2096,7 +2197,8 @@ Value ApplyFilter(const std::string& name, const Value& v, Args& args, Context& 
   }
   if (name == "round") {
     if (!v.is_number()) Fail(line, "round needs a number");
-    const int64_t precision = args.Get(0, "precision") ? ToInt(*args.Get(0, "precision"), line, "precision") : 0;
+    const int64_t precision =
+        args.Get(0, "precision") ? ToInt(*args.Get(0, "precision"), line, "precision") : 0;
     const std::string method = str_arg(1, "method", "common");
     const double scale = std::pow(10.0, static_cast<double>(precision));
     const double x = v.json.get<double>() * scale;
@@ -2111,8 +2213,10 @@ Value ApplyFilter(const std::string& name, const Value& v, Args& args, Context& 
     return Value::Of(std::move(out));
   };
   if (name == "list") return to_list(items);
-  if (name == "first") return items.empty() ? Value::Undefined("first of an empty sequence") : items.front();
-  if (name == "last") return items.empty() ? Value::Undefined("last of an empty sequence") : items.back();
+  if (name == "first")
+    return items.empty() ? Value::Undefined("first of an empty sequence") : items.front();
+  if (name == "last")
+    return items.empty() ? Value::Undefined("last of an empty sequence") : items.back();
   if (name == "reverse") {
     if (v.is_string()) {
       std::u32string u = ToU32(v.str());
@@ -2136,7 +2240,8 @@ Value ApplyFilter(const std::string& name, const Value& v, Args& args, Context& 
     if (v.undefined()) return Value::Of(Json::array());
     if (!v.is_json() || !v.json.is_object()) Fail(line, "items filter needs a mapping");
     Json out = Json::array();
-    for (auto it = v.json.begin(); it != v.json.end(); ++it) out.push_back(Json::array({it.key(), it.value()}));
+    for (auto it = v.json.begin(); it != v.json.end(); ++it)
+      out.push_back(Json::array({it.key(), it.value()}));
     return Value::Of(std::move(out));
   }
   if (name == "dictsort") {
@@ -2161,7 +2266,8 @@ Value ApplyFilter(const std::string& name, const Value& v, Args& args, Context& 
     } else {
       if (!a0 || !a0->is_string()) Fail(line, "map needs a filter name or attribute=");
       const std::string filter = a0->str();
-      if (!KnownFilters().count(filter)) Fail(line, absl::StrCat("unsupported filter '", filter, "'"));
+      if (!KnownFilters().count(filter))
+        Fail(line, absl::StrCat("unsupported filter '", filter, "'"));
       Args rest;
       rest.pos.assign(args.pos.begin() + 1, args.pos.end());
       rest.kw = args.kw;
@@ -2187,7 +2293,8 @@ Value ApplyFilter(const std::string& name, const Value& v, Args& args, Context& 
     std::vector<Value> out;
     for (const Value& x : items) {
       const Value subject = by_attr ? Attribute(x, attr, line) : x;
-      const bool pass = test ? Truthy(CallTest(test->str(), subject, test_arg, line)) : Truthy(subject);
+      const bool pass =
+          test ? Truthy(CallTest(test->str(), subject, test_arg, line)) : Truthy(subject);
       if (pass == keep_if) out.push_back(x);
     }
     return to_list(out);
@@ -2225,7 +2332,8 @@ Value ApplyFilter(const std::string& name, const Value& v, Args& args, Context& 
     }
     return best;
   }
-  if (name == "wordcount") return Value::Of(static_cast<int64_t>(PySplit(ToText(v), nullptr, nullptr, line).size()));
+  if (name == "wordcount")
+    return Value::Of(static_cast<int64_t>(PySplit(ToText(v), nullptr, nullptr, line).size()));
   Fail(line, absl::StrCat("unsupported filter '", name, "'"));
 }
 
@@ -2244,10 +2352,11 @@ class JinjaChatTemplate final : public ChatTemplate {
     globals["add_generation_prompt"] = Value::Of(inputs.add_generation_prompt);
     if (!bos_.empty()) globals["bos_token"] = Value::Of(bos_);
     if (!eos_.empty()) globals["eos_token"] = Value::Of(eos_);
-    globals["raise_exception"] = Value::Func("raise_exception", [](Args& a, Context&, int line) -> Value {
-      const Value* m = a.Get(0, "message");
-      Fail(line, absl::StrCat("template raised an exception: ", m ? ToText(*m) : ""));
-    });
+    globals["raise_exception"] =
+        Value::Func("raise_exception", [](Args& a, Context&, int line) -> Value {
+          const Value* m = a.Get(0, "message");
+          Fail(line, absl::StrCat("template raised an exception: ", m ? ToText(*m) : ""));
+        });
     globals["namespace"] = Value::Func("namespace", [](Args& a, Context&, int line) -> Value {
       Value v;
       v.kind = Value::Kind::kNamespace;
@@ -2292,7 +2401,8 @@ class JinjaChatTemplate final : public ChatTemplate {
     try {
       ExecBody(body_, ctx, &out);
     } catch (const TemplateError& e) {
-      return absl::InvalidArgumentError(absl::StrCat("chat template line ", e.line, ": ", e.message));
+      return absl::InvalidArgumentError(
+          absl::StrCat("chat template line ", e.line, ": ", e.message));
     } catch (const Json::exception& e) {
       return absl::InvalidArgumentError(absl::StrCat("chat template: ", e.what()));
     }
@@ -2356,12 +2466,14 @@ absl::StatusOr<std::unique_ptr<ChatTemplate>> ChatTemplate::FromDirectory(const 
         source = t["template"].get<std::string>();
       }
     }
-    if (source.empty()) return absl::NotFoundError(absl::StrCat(path, " has no default chat_template"));
+    if (source.empty())
+      return absl::NotFoundError(absl::StrCat(path, " has no default chat_template"));
   } else {
     return absl::InvalidArgumentError(absl::StrCat(path, ": chat_template is not a string"));
   }
   auto t = FromSource(source, SpecialToken(config, "bos_token"), SpecialToken(config, "eos_token"));
-  if (!t.ok()) return absl::Status(t.status().code(), absl::StrCat(path, ": ", t.status().message()));
+  if (!t.ok())
+    return absl::Status(t.status().code(), absl::StrCat(path, ": ", t.status().message()));
   return t;
 }
 

@@ -55,8 +55,8 @@ Json RenderWithJinja2(const std::vector<Job>& jobs) {
   const std::string in = TmpDir() + "/jinja_request.json";
   const std::string out = TmpDir() + "/jinja_renders.json";
   std::ofstream(in) << request.dump();
-  const std::string cmd = "/usr/bin/python3 engine/tokenizer/testdata/render_jinja.py < " + in +
-                          " > " + out;
+  const std::string cmd =
+      "/usr/bin/python3 engine/tokenizer/testdata/render_jinja.py < " + in + " > " + out;
   if (std::system(cmd.c_str()) != 0) {
     ADD_FAILURE() << "the Jinja2 reference failed to run: " << cmd;
     return Json::array();
@@ -92,27 +92,46 @@ class ConversationGenerator {
  public:
   explicit ConversationGenerator(uint32_t seed) : rng_(seed) {}
 
-  int Int(int lo, int hi) { return lo + static_cast<int>(rng_() % static_cast<uint32_t>(hi - lo + 1)); }
+  int Int(int lo, int hi) {
+    return lo + static_cast<int>(rng_() % static_cast<uint32_t>(hi - lo + 1));
+  }
   bool Chance(int percent) { return Int(0, 99) < percent; }
   template <typename T>
-  const T& Pick(const std::vector<T>& v) { return v[Int(0, static_cast<int>(v.size()) - 1)]; }
+  const T& Pick(const std::vector<T>& v) {
+    return v[Int(0, static_cast<int>(v.size()) - 1)];
+  }
 
   std::string Text() {
     static const std::vector<std::string> kTexts = {
-        "Hello!", "What's the weather in Paris tomorrow?", "Explain MoE offloading in one line.",
-        "多专家模型如何在内存中缓存？", "Ça va? «quotes» and \"double\" and 'single'", "emoji 👩‍👩‍👧 🏳️‍🌈",
-        "line one\nline two\n\n  indented", "\n\nleading newlines", "trailing newlines\n\n",
-        "tabs\tand  spaces", "مرحبا بالعالم", "नमस्ते", "{\"json\": [1, 2, 3]}", "",
-        "<tool_response>\nnot really a tool\n</tool_response>", "Use <b>html</b> & entities"};
+        "Hello!",
+        "What's the weather in Paris tomorrow?",
+        "Explain MoE offloading in one line.",
+        "多专家模型如何在内存中缓存？",
+        "Ça va? «quotes» and \"double\" and 'single'",
+        "emoji 👩‍👩‍👧 🏳️‍🌈",
+        "line one\nline two\n\n  indented",
+        "\n\nleading newlines",
+        "trailing newlines\n\n",
+        "tabs\tand  spaces",
+        "مرحبا بالعالم",
+        "नमस्ते",
+        "{\"json\": [1, 2, 3]}",
+        "",
+        "<tool_response>\nnot really a tool\n</tool_response>",
+        "Use <b>html</b> & entities"};
     return Pick(kTexts);
   }
 
   Json Tools() {
     static const std::vector<Json> kTools = {
-        Json::parse(R"({"type": "function", "function": {"name": "get_weather", "description": "Weather for a city — °C", "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "城市"}, "days": {"type": "integer", "default": 3}}, "required": ["city"]}}})"),
-        Json::parse(R"({"type": "function", "function": {"name": "search", "description": "Search the web", "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "top_k": {"type": "number", "default": 0.5}, "safe": {"type": "boolean", "default": true}, "lang": {"enum": ["en", "zh", null]}}}}})"),
-        Json::parse(R"({"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {"expr": {"type": "string", "pattern": "^[0-9+*/() -]+$"}, "precision": {"type": "number", "minimum": 1e-05, "maximum": 1e20}}}}})"),
-        Json::parse(R"({"type": "function", "function": {"name": "noop", "description": "", "parameters": {}}})")};
+        Json::parse(
+            R"({"type": "function", "function": {"name": "get_weather", "description": "Weather for a city — °C", "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "城市"}, "days": {"type": "integer", "default": 3}}, "required": ["city"]}}})"),
+        Json::parse(
+            R"({"type": "function", "function": {"name": "search", "description": "Search the web", "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "top_k": {"type": "number", "default": 0.5}, "safe": {"type": "boolean", "default": true}, "lang": {"enum": ["en", "zh", null]}}}}})"),
+        Json::parse(
+            R"({"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {"expr": {"type": "string", "pattern": "^[0-9+*/() -]+$"}, "precision": {"type": "number", "minimum": 1e-05, "maximum": 1e20}}}}})"),
+        Json::parse(
+            R"({"type": "function", "function": {"name": "noop", "description": "", "parameters": {}}})")};
     Json tools = Json::array();
     const int n = Int(1, 4);
     for (int i = 0; i < n; ++i) tools.push_back(kTools[(i + Int(0, 3)) % kTools.size()]);
@@ -129,7 +148,9 @@ class ConversationGenerator {
     Json fn = {{"name", Pick(kNames)}};
     // Both spellings clients send: a JSON object, or the object already serialised to text.
     fn["arguments"] = Chance(60) ? args : Json(args.dump());
-    if (Chance(85)) return Json{{"id", "call_" + std::to_string(Int(0, 999))}, {"type", "function"}, {"function", fn}};
+    if (Chance(85))
+      return Json{
+          {"id", "call_" + std::to_string(Int(0, 999))}, {"type", "function"}, {"function", fn}};
     return fn;  // without the {"function": ...} wrapper
   }
 
@@ -138,7 +159,9 @@ class ConversationGenerator {
     job.name = name;
     job.source = source;
     Json& m = job.inputs.messages;
-    if (Chance(50)) m.push_back({{"role", "system"}, {"content", Chance(80) ? "You are a careful assistant." : Text()}});
+    if (Chance(50))
+      m.push_back(
+          {{"role", "system"}, {"content", Chance(80) ? "You are a careful assistant." : Text()}});
     if (Chance(50)) job.inputs.tools = Tools();
     const int turns = Int(1, 4);
     for (int t = 0; t < turns; ++t) {
@@ -188,11 +211,13 @@ TEST(ChatTemplateTest, Qwen3TemplateMatchesJinja2) {
   const std::string source = Qwen3Template();
   ConversationGenerator gen(3);
   std::vector<Job> jobs;
-  for (int i = 0; i < 40; ++i) jobs.push_back(gen.Conversation("qwen3 #" + std::to_string(i), source));
+  for (int i = 0; i < 40; ++i)
+    jobs.push_back(gen.Conversation("qwen3 #" + std::to_string(i), source));
   // A content of null makes the template itself fail (`'</think>' in None`): so must we.
   Job bad = jobs[0];
   bad.name = "qwen3 null content";
-  bad.inputs.messages = Json::parse(R"([{"role": "user", "content": "hi"}, {"role": "assistant", "content": null}])");
+  bad.inputs.messages =
+      Json::parse(R"([{"role": "user", "content": "hi"}, {"role": "assistant", "content": null}])");
   jobs.push_back(bad);
   int compared = 0;
   ExpectSameAsJinja2(jobs, &compared);
@@ -204,7 +229,8 @@ TEST(ChatTemplateTest, Qwen25TemplateMatchesJinja2) {
   ASSERT_FALSE(source.empty());
   ConversationGenerator gen(25);
   std::vector<Job> jobs;
-  for (int i = 0; i < 40; ++i) jobs.push_back(gen.Conversation("qwen2.5 #" + std::to_string(i), source));
+  for (int i = 0; i < 40; ++i)
+    jobs.push_back(gen.Conversation("qwen2.5 #" + std::to_string(i), source));
   int compared = 0;
   ExpectSameAsJinja2(jobs, &compared);
   EXPECT_EQ(compared, 40);
@@ -219,50 +245,85 @@ TEST(ChatTemplateTest, FromDirectoryReadsQwen3) {
   auto r = (*t)->Render(in);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(*r, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
-  EXPECT_EQ(ChatTemplate::FromDirectory("/nonexistent").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ChatTemplate::FromDirectory("/nonexistent").status().code(),
+            absl::StatusCode::kNotFound);
 }
 
 // One small template per construct, each with inputs that exercise it.
 TEST(ChatTemplateTest, ConstructsMatchJinja2) {
   const std::vector<std::string> templates = {
       // loops and loop variables
-      "{% for m in messages %}{{ loop.index }}/{{ loop.index0 }}/{{ loop.revindex }}/{{ loop.revindex0 }}/{{ loop.first }}/{{ loop.last }}/{{ loop.length }} {% endfor %}",
+      "{% for m in messages %}{{ loop.index }}/{{ loop.index0 }}/{{ loop.revindex }}/{{ "
+      "loop.revindex0 }}/{{ loop.first }}/{{ loop.last }}/{{ loop.length }} {% endfor %}",
       "{% for m in messages if m.role != 'system' %}{{ loop.index }}:{{ m.role }},{% endfor %}",
-      "{% for m in messages %}{% if loop.index0 == 1 %}{% continue %}{% endif %}{% if loop.index > 3 %}{% break %}{% endif %}{{ m.role }} {% endfor %}",
+      "{% for m in messages %}{% if loop.index0 == 1 %}{% continue %}{% endif %}{% if loop.index > "
+      "3 %}{% break %}{% endif %}{{ m.role }} {% endfor %}",
       "{% for x in [] %}x{% else %}empty{% endfor %}",
       "{% for k, v in {'a': 1, 'b': [2, 3]}.items() %}{{ k }}={{ v }};{% endfor %}",
       "{% for c in 'héllo' %}[{{ c }}]{% endfor %}",
-      "{% for m in messages %}{{ loop.previtem.role if loop.previtem is defined else '-' }}>{{ loop.nextitem.role if loop.nextitem is defined else '-' }} {% endfor %}",
+      "{% for m in messages %}{{ loop.previtem.role if loop.previtem is defined else '-' }}>{{ "
+      "loop.nextitem.role if loop.nextitem is defined else '-' }} {% endfor %}",
       // slicing, indexing, in
-      "{{ messages[::-1] | map(attribute='role') | join(',') }}|{{ messages[1:] | length }}|{{ messages[-1].role }}|{{ 'abcdef'[1:-1] }}|{{ 'abcdef'[::2] }}|{{ [1,2,3,4,5][3:0:-1] }}",
-      "{{ 'a' in 'cat' }} {{ 'z' not in 'cat' }} {{ 2 in [1, 2] }} {{ 'role' in messages[0] }} {{ 'x' in {'x': 1} }}",
+      "{{ messages[::-1] | map(attribute='role') | join(',') }}|{{ messages[1:] | length }}|{{ "
+      "messages[-1].role }}|{{ 'abcdef'[1:-1] }}|{{ 'abcdef'[::2] }}|{{ [1,2,3,4,5][3:0:-1] }}",
+      "{{ 'a' in 'cat' }} {{ 'z' not in 'cat' }} {{ 2 in [1, 2] }} {{ 'role' in messages[0] }} {{ "
+      "'x' in {'x': 1} }}",
       // tests
-      "{{ x is defined }} {{ y is undefined }} {{ none is none }} {{ 's' is string }} {{ {} is mapping }} {{ [] is iterable }} {{ [] is sequence }} {{ 3 is number }} {{ 3 is integer }} {{ 3.5 is float }} {{ true is boolean }} {{ false is false }} {{ true is true }} {{ 4 is even }} {{ 3 is odd }} {{ 9 is divisibleby(3) }} {{ 1 is not none }}",
+      "{{ x is defined }} {{ y is undefined }} {{ none is none }} {{ 's' is string }} {{ {} is "
+      "mapping }} {{ [] is iterable }} {{ [] is sequence }} {{ 3 is number }} {{ 3 is integer }} "
+      "{{ 3.5 is float }} {{ true is boolean }} {{ false is false }} {{ true is true }} {{ 4 is "
+      "even }} {{ 3 is odd }} {{ 9 is divisibleby(3) }} {{ 1 is not none }}",
       // operators
-      "{{ 1 + 2 * 3 - 4 / 2 }} {{ 7 // 2 }} {{ -7 // 2 }} {{ 7 % 3 }} {{ -7 % 3 }} {{ 2 ** 10 }} {{ 'ab' ~ 3 ~ none }} {{ 'x' * 3 }} {{ [1] + [2] }} {{ 0.1 + 0.2 }} {{ 1e20 }} {{ 1.0 }} {{ 10 / 4 }}",
-      "{{ 1 < 2 }} {{ 'a' < 'b' }} {{ 2 >= 2 }} {{ 1 == 1.0 }} {{ 'a' != 'a' }} {{ not true }} {{ true and 'x' }} {{ '' or 'fallback' }} {{ 0 or [] }}",
+      "{{ 1 + 2 * 3 - 4 / 2 }} {{ 7 // 2 }} {{ -7 // 2 }} {{ 7 % 3 }} {{ -7 % 3 }} {{ 2 ** 10 }} "
+      "{{ 'ab' ~ 3 ~ none }} {{ 'x' * 3 }} {{ [1] + [2] }} {{ 0.1 + 0.2 }} {{ 1e20 }} {{ 1.0 }} {{ "
+      "10 / 4 }}",
+      "{{ 1 < 2 }} {{ 'a' < 'b' }} {{ 2 >= 2 }} {{ 1 == 1.0 }} {{ 'a' != 'a' }} {{ not true }} {{ "
+      "true and 'x' }} {{ '' or 'fallback' }} {{ 0 or [] }}",
       "{{ 'yes' if messages else 'no' }} {{ 'a' if false else 'b' if true else 'c' }}",
       // string methods
-      "{{ '  x y  '.strip() }}|{{ 'xxhixx'.strip('x') }}|{{ '\\n\\nhi'.lstrip('\\n') }}|{{ 'hi\\n\\n'.rstrip() }}|{{ 'a,b,,c'.split(',') }}|{{ ' a  b '.split() }}|{{ 'a b c'.split(' ', 1) }}|{{ 'hello'.replace('l', 'L') }}|{{ 'Hello World'.upper() }}|{{ 'Hello World'.lower() }}|{{ 'hello world'.title() }}|{{ 'abc'.startswith('ab') }}|{{ 'abc'.endswith(('x', 'c')) }}|{{ 'a</think>b'.split('</think>')[-1] }}|{{ ', '.join(['a', 'b']) }}|{{ 'abcabc'.find('c') }}|{{ 'abcabc'.count('bc') }}",
+      "{{ '  x y  '.strip() }}|{{ 'xxhixx'.strip('x') }}|{{ '\\n\\nhi'.lstrip('\\n') }}|{{ "
+      "'hi\\n\\n'.rstrip() }}|{{ 'a,b,,c'.split(',') }}|{{ ' a  b '.split() }}|{{ 'a b c'.split(' "
+      "', 1) }}|{{ 'hello'.replace('l', 'L') }}|{{ 'Hello World'.upper() }}|{{ 'Hello "
+      "World'.lower() }}|{{ 'hello world'.title() }}|{{ 'abc'.startswith('ab') }}|{{ "
+      "'abc'.endswith(('x', 'c')) }}|{{ 'a</think>b'.split('</think>')[-1] }}|{{ ', '.join(['a', "
+      "'b']) }}|{{ 'abcabc'.find('c') }}|{{ 'abcabc'.count('bc') }}",
       // dict methods
-      "{% set d = {'b': 1, 'a': {'c': [1, 2]}} %}{{ d.keys() | list }} {{ d.values() | list }} {% for k, v in d.items() %}{{ k }}:{{ v }},{% endfor %} {{ d.get('a') }} {{ d.get('z', 'dflt') }} {{ d.get('z') }} {{ d['b'] }}",
+      "{% set d = {'b': 1, 'a': {'c': [1, 2]}} %}{{ d.keys() | list }} {{ d.values() | list }} {% "
+      "for k, v in d.items() %}{{ k }}:{{ v }},{% endfor %} {{ d.get('a') }} {{ d.get('z', 'dflt') "
+      "}} {{ d.get('z') }} {{ d['b'] }}",
       // filters
-      "{{ messages | length }} {{ 'abc' | count }} {{ '  t  ' | trim }} {{ undefined_var | default('dv') }} {{ '' | default('e', true) }} {{ [3, 1, 2] | first }} {{ [3, 1, 2] | last }} {{ [3, 1, 2] | sort | list }} {{ [3, 1, 2] | join('-') }} {{ 'x' | list }} {{ 42 | string }} {{ '7' | int + 1 }} {{ 'q' | upper }} {{ 'Q' | lower }} {{ 'ab cd' | title }} {{ '<b>' | safe }} {% for k, v in {'k': 'v'} | items %}{{ k }}={{ v }}{% endfor %} {{ [1, 1, 2] | unique | list }} {{ [1, 2] | reverse | list }} {{ [-1.5] | map('abs') | list }}",
-      "{{ messages | selectattr('role', 'equalto', 'user') | map(attribute='content') | list }} {{ messages | rejectattr('role', 'eq', 'user') | list | length }} {{ [0, 1, '', 'a'] | select | list }} {{ [0, 1, '', 'a'] | reject | list }} {{ messages | map(attribute='role') | unique | list }}",
+      "{{ messages | length }} {{ 'abc' | count }} {{ '  t  ' | trim }} {{ undefined_var | "
+      "default('dv') }} {{ '' | default('e', true) }} {{ [3, 1, 2] | first }} {{ [3, 1, 2] | last "
+      "}} {{ [3, 1, 2] | sort | list }} {{ [3, 1, 2] | join('-') }} {{ 'x' | list }} {{ 42 | "
+      "string }} {{ '7' | int + 1 }} {{ 'q' | upper }} {{ 'Q' | lower }} {{ 'ab cd' | title }} {{ "
+      "'<b>' | safe }} {% for k, v in {'k': 'v'} | items %}{{ k }}={{ v }}{% endfor %} {{ [1, 1, "
+      "2] | unique | list }} {{ [1, 2] | reverse | list }} {{ [-1.5] | map('abs') | list }}",
+      "{{ messages | selectattr('role', 'equalto', 'user') | map(attribute='content') | list }} {{ "
+      "messages | rejectattr('role', 'eq', 'user') | list | length }} {{ [0, 1, '', 'a'] | select "
+      "| list }} {{ [0, 1, '', 'a'] | reject | list }} {{ messages | map(attribute='role') | "
+      "unique | list }}",
       // tojson
-      "{{ tools | tojson }}\n{{ tools | tojson(indent=2) }}\n{{ {'ü': 'ñ', 'q': '\"\\\\', 'n': none, 'f': 1.5, 'i': -3, 'b': false, 'e': [], 'o': {}} | tojson }}\n{{ [1, 'two'] | tojson(separators=(',', ':')) }}",
+      "{{ tools | tojson }}\n{{ tools | tojson(indent=2) }}\n{{ {'ü': 'ñ', 'q': '\"\\\\', 'n': "
+      "none, 'f': 1.5, 'i': -3, 'b': false, 'e': [], 'o': {}} | tojson }}\n{{ [1, 'two'] | "
+      "tojson(separators=(',', ':')) }}",
       // Python str() of values
-      "{{ {'a': [1, 2.5, none, true, 'it\\'s']} }} {{ [none, false] }} {{ none }} {{ true }} {{ 3.0 }} {{ 1e-7 }} {{ 123456789012345678.0 }}",
+      "{{ {'a': [1, 2.5, none, true, 'it\\'s']} }} {{ [none, false] }} {{ none }} {{ true }} {{ "
+      "3.0 }} {{ 1e-7 }} {{ 123456789012345678.0 }}",
       // whitespace control and comments
-      "a  {{- ' b ' -}}  c\n  {%- if true %}\n    d\n  {%- endif %}\n{# a comment #}\n  {#- trimmed -#}  e\n{% if true %}\n  f\n{% endif %}\n  {% if true %}g{% endif %}\n  {%+ if true %}h{% endif %}",
+      "a  {{- ' b ' -}}  c\n  {%- if true %}\n    d\n  {%- endif %}\n{# a comment #}\n  {#- "
+      "trimmed -#}  e\n{% if true %}\n  f\n{% endif %}\n  {% if true %}g{% endif %}\n  {%+ if true "
+      "%}h{% endif %}",
       "{% for m in messages %}\n    {{ m.role }}\n{% endfor %}\ntail",
-      "line\n    {% set x = 1 %}\nafter {{ x }}\n{{ 'raw \\t tab \\u00e9 \\x41' }} {{ \"dq 'in' dq\" }} {{ 'adj' 'acent' }}",
+      "line\n    {% set x = 1 %}\nafter {{ x }}\n{{ 'raw \\t tab \\u00e9 \\x41' }} {{ \"dq 'in' "
+      "dq\" }} {{ 'adj' 'acent' }}",
       // set, namespace, scoping, macros
-      "{% set ns = namespace(count=0, last=none) %}{% for m in messages %}{% set ns.count = ns.count + 1 %}{% set ns.last = m.role %}{% endfor %}{{ ns.count }} {{ ns.last }}",
+      "{% set ns = namespace(count=0, last=none) %}{% for m in messages %}{% set ns.count = "
+      "ns.count + 1 %}{% set ns.last = m.role %}{% endfor %}{{ ns.count }} {{ ns.last }}",
       "{% set x = 'outer' %}{% for m in messages %}{% set x = 'inner' %}{% endfor %}{{ x }}",
       "{% set x = 'a' %}{% if true %}{% set x = 'b' %}{% endif %}{{ x }}",
       "{% set block %}captured {{ messages | length }}{% endset %}[{{ block }}]",
-      "{% macro tag(name, body='none') %}<{{ name }}>{{ body }}</{{ name }}>{% endmacro %}{{ tag('a') }}{{ tag('b', 'x') }}{{ tag(name='c', body=1) }}",
+      "{% macro tag(name, body='none') %}<{{ name }}>{{ body }}</{{ name }}>{% endmacro %}{{ "
+      "tag('a') }}{{ tag('b', 'x') }}{{ tag(name='c', body=1) }}",
       "{% set a, b = 1, 2 %}{{ a }}{{ b }} {{ range(3) | list }} {{ range(1, 7, 2) | list }}",
       // special tokens and kwargs
       "{{ bos_token }}|{{ eos_token }}|{{ custom_flag }}|{{ enable_thinking is defined }}",
@@ -273,8 +334,10 @@ TEST(ChatTemplateTest, ConstructsMatchJinja2) {
       "{{ messages[0].content + none }}",
   };
   ChatTemplateInputs base;
-  base.messages = Json::parse(R"([{"role": "system", "content": "sys"}, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2 ü"}])");
-  base.tools = Json::parse(R"([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "number", "default": 0.1}}}}}])");
+  base.messages = Json::parse(
+      R"([{"role": "system", "content": "sys"}, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2 ü"}])");
+  base.tools = Json::parse(
+      R"([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "number", "default": 0.1}}}}}])");
   base.kwargs = Json::parse(R"({"x": 1, "custom_flag": "on"})");
   std::vector<Job> jobs;
   for (size_t i = 0; i < templates.size(); ++i) {

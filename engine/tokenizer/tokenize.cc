@@ -76,13 +76,14 @@ int main(int argc, char** argv) {
     std::cout << *rendered << "\n----\n";
     text = *rendered + text;
   }
-  const std::vector<int32_t> ids = (*tokenizer)->Encode(text, absl::GetFlag(FLAGS_add_special_tokens));
+  const std::vector<int32_t> ids =
+      (*tokenizer)->Encode(text, absl::GetFlag(FLAGS_add_special_tokens));
   std::cout << ids.size() << " tokens\n";
   for (int32_t id : ids) {
     const int32_t one[] = {id};
     std::cout << id << "\t" << (*tokenizer)->IdToToken(id) << "\t"
-              << nlohmann::json((*tokenizer)->Decode(one)).dump(-1, ' ', false,
-                                                               nlohmann::json::error_handler_t::replace)
+              << nlohmann::json((*tokenizer)->Decode(one))
+                     .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
               << "\n";
   }
   return 0;

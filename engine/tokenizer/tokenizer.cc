@@ -1,6 +1,7 @@
 // The tokenizer.json pipeline: added tokens -> normalizer -> pre-tokenizer -> BPE ->
 // post-processor, and the decoder chain. Each stage is a small value type read from its own JSON
-// object, as in the reference library; unknown stage types are InvalidArgument naming the JSON path.
+// object, as in the reference library; unknown stage types are InvalidArgument naming the JSON
+// path.
 #include "engine/tokenizer/tokenizer.h"
 
 #include <unicode/locid.h>
@@ -502,8 +503,8 @@ void ApplyDecoder(const Decoder& d, std::vector<std::string>* tokens) {
       return;
     case Decoder::Kind::kStrip:
       for (std::string& t : *tokens) {
-        for (int i = 0; i < d.start && !d.content.empty() &&
-                        t.compare(0, d.content.size(), d.content) == 0;
+        for (int i = 0;
+             i < d.start && !d.content.empty() && t.compare(0, d.content.size(), d.content) == 0;
              ++i) {
           t.erase(0, d.content.size());
         }
@@ -556,8 +557,7 @@ absl::Status ParsePostProcessor(const json& j, const std::string& path, PostProc
   if (type == "TemplateProcessing") {
     auto single = j.find("single");
     auto specials = j.find("special_tokens");
-    if (single == j.end() || !single->is_array() || specials == j.end() ||
-        !specials->is_object()) {
+    if (single == j.end() || !single->is_array() || specials == j.end() || !specials->is_object()) {
       return Invalid(path, "TemplateProcessing without single or special_tokens");
     }
     bool seen_sequence = false;
@@ -650,8 +650,8 @@ class TokenizerImpl final : public Tokenizer {
     if (!root.is_object()) return Invalid("$", "not a JSON object");
     if (!root.contains("model")) return Invalid("$", "no model");
     ASSIGN_OR_RETURN(t->model_, BpeModel::FromJson(root["model"]));
-    RETURN_IF_ERROR(ParseNormalizer(root.value("normalizer", json()), "normalizer",
-                                    &t->normalizers_));
+    RETURN_IF_ERROR(
+        ParseNormalizer(root.value("normalizer", json()), "normalizer", &t->normalizers_));
     RETURN_IF_ERROR(ParsePreTokenizer(root.value("pre_tokenizer", json()), "pre_tokenizer",
                                       &t->pre_tokenizers_));
     RETURN_IF_ERROR(ParsePostProcessor(root.value("post_processor", json()), "post_processor",

@@ -25,22 +25,28 @@
 ABSL_FLAG(std::string, tokenizer, "third_party/qwen3_tokenizer", "directory with tokenizer.json");
 ABSL_FLAG(double, mb, 4.0, "size of the generated text in MB");
 ABSL_FLAG(int, reps, 5, "timed repetitions of each side");
-ABSL_FLAG(std::string, hf_tokenizers, "", "path of the Node 'tokenizers' package; empty: ours only");
+ABSL_FLAG(std::string, hf_tokenizers, "",
+          "path of the Node 'tokenizers' package; empty: ours only");
 ABSL_FLAG(std::string, hf_script, "engine/tokenizer/testdata/bench_hf.mjs", "the HF side's script");
 
 namespace {
 
 std::string MixedText(size_t bytes) {
   std::mt19937 rng(7);
-  auto pick = [&](const std::vector<std::string>& v) -> const std::string& { return v[rng() % v.size()]; };
-  const std::vector<std::string> words = {
-      "the", "of", "and", "expert", "cache", "routing", "model", "token", "is", "with", "GPU",
-      "memory", "bandwidth", "it's", "they're", "Qwen", "layer", "attention", "naïve", "café"};
-  const std::vector<std::string> code = {"def", "return", "self.x", "(", ")", "{", "}", "==", "\t",
-                                         "    ", "for i in range(10):", "x += 1;", "// note", "\"s\""};
-  const std::vector<std::string> other = {"中文文本", "日本語のテキスト", "한국어", "مرحبا بالعالم",
-                                          "नमस्ते दुनिया", "👍🏽", "👨‍👩‍👧", "🚀", "3.14159",
-                                          "2024-12-05", "1234567890"};
+  auto pick = [&](const std::vector<std::string>& v) -> const std::string& {
+    return v[rng() % v.size()];
+  };
+  const std::vector<std::string> words = {"the",     "of",     "and",       "expert", "cache",
+                                          "routing", "model",  "token",     "is",     "with",
+                                          "GPU",     "memory", "bandwidth", "it's",   "they're",
+                                          "Qwen",    "layer",  "attention", "naïve",  "café"};
+  const std::vector<std::string> code = {
+      "def",     "return",  "self.x", "(", ")", "{", "}", "==", "\t", "    ", "for i in range(10):",
+      "x += 1;", "// note", "\"s\""};
+  const std::vector<std::string> other = {
+      "中文文本",  "日本語のテキスト",   "한국어", "مرحبا بالعالم", "नमस्ते दुनिया",
+      "👍🏽",  "👨‍👩‍👧", "🚀",      "3.14159",       "2024-12-05",
+      "1234567890"};
   std::string out;
   while (out.size() < bytes) {
     const int kind = static_cast<int>(rng() % 10);

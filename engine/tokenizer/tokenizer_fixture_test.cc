@@ -58,18 +58,19 @@ TEST(TokenizerFixtureTest, MatchesHuggingFace) {
     std::string streamed;
     for (int32_t id : want) streamed += stream.Add(id);
     streamed += stream.Flush();
-    const bool ok =
-        got == want && got_special == want_special && decode == want_decode && decode_skip == want_skip && streamed == decode;
+    const bool ok = got == want && got_special == want_special && decode == want_decode &&
+                    decode_skip == want_skip && streamed == decode;
     if (!ok) {
       ++failures[cat];
       if (++failed <= 10) {
         ADD_FAILURE() << "case " << i << " (" << cat << ") text=" << nlohmann::json(text).dump()
                       << "\n ids " << (got == want ? "ok" : "DIFFER") << ": got "
                       << nlohmann::json(got).dump() << "\n want " << nlohmann::json(want).dump()
-                      << "\n with special tokens " << (got_special == want_special ? "ok" : "DIFFER")
-                      << "\n decode " << (decode == want_decode ? "ok" : "DIFFERS")
-                      << ", skip-special decode " << (decode_skip == want_skip ? "ok" : "DIFFERS")
-                      << ", streamed " << (streamed == decode ? "ok" : "DIFFERS");
+                      << "\n with special tokens "
+                      << (got_special == want_special ? "ok" : "DIFFER") << "\n decode "
+                      << (decode == want_decode ? "ok" : "DIFFERS") << ", skip-special decode "
+                      << (decode_skip == want_skip ? "ok" : "DIFFERS") << ", streamed "
+                      << (streamed == decode ? "ok" : "DIFFERS");
       }
     }
   }

@@ -34,11 +34,48 @@ TEST(TokenizerFuzzTest, RoundTripAndStreaming) {
   const Tokenizer& t = **tok;
   std::mt19937 rng(12345);
   auto rnd = [&](uint32_t n) { return rng() % n; };
-  const std::vector<std::string> fragments = {
-      " ", "  ", "\t", "\n", "\r\n", "\u00a0", "\u3000", "'s", "'LL", "a", "Z", "hello", "0",
-      "123", "½", "٣", "é", "e\u0301", "\u0915\u094d", "中", "語", "한", "🙂", "👍🏽", "\u200d", "🏳\ufe0f",
-      "\U0001F1FA\U0001F1F8", "<", "|", ">", "<|im", "_end|>", "<think", "</", "{", "\"", "\\",
-      "\xe2\x82", "\xff", "\xc0", "\xed\xa0\x80", "\xf0\x9f"};
+  const std::vector<std::string> fragments = {" ",
+                                              "  ",
+                                              "\t",
+                                              "\n",
+                                              "\r\n",
+                                              "\u00a0",
+                                              "\u3000",
+                                              "'s",
+                                              "'LL",
+                                              "a",
+                                              "Z",
+                                              "hello",
+                                              "0",
+                                              "123",
+                                              "½",
+                                              "٣",
+                                              "é",
+                                              "e\u0301",
+                                              "\u0915\u094d",
+                                              "中",
+                                              "語",
+                                              "한",
+                                              "🙂",
+                                              "👍🏽",
+                                              "\u200d",
+                                              "🏳\ufe0f",
+                                              "\U0001F1FA\U0001F1F8",
+                                              "<",
+                                              "|",
+                                              ">",
+                                              "<|im",
+                                              "_end|>",
+                                              "<think",
+                                              "</",
+                                              "{",
+                                              "\"",
+                                              "\\",
+                                              "\xe2\x82",
+                                              "\xff",
+                                              "\xc0",
+                                              "\xed\xa0\x80",
+                                              "\xf0\x9f"};
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(2000);
   int cases = 0, round_trips = 0;
   while (std::chrono::steady_clock::now() < deadline) {
@@ -67,7 +104,8 @@ TEST(TokenizerFuzzTest, RoundTripAndStreaming) {
     }
     streamed += stream.Flush();
     ASSERT_EQ(streamed, decoded);
-    const bool has_added = s.find("<|") != std::string::npos || s.find("<think") != std::string::npos ||
+    const bool has_added = s.find("<|") != std::string::npos ||
+                           s.find("<think") != std::string::npos ||
                            s.find("</") != std::string::npos;
     if (internal::IsValidUtf8(s) && !has_added) {
       ASSERT_EQ(decoded, Nfc(s));

@@ -53,7 +53,10 @@ TEST(TokenizerTest, SpecialTokensAreMatchedBeforeBpeAndSkippedOnRequest) {
 TEST(TokenizerTest, InvalidUtf8IsReplacedLikePython) {
   const Tokenizer& t = Qwen3();
   // b'a\xe2\x82b\xff'.decode('utf-8', 'replace') == 'a\ufffdb\ufffd'
-  EXPECT_EQ(t.Encode("a\xE2\x82" "b\xFF"), t.Encode("a\xEF\xBF\xBD" "b\xEF\xBF\xBD"));
+  EXPECT_EQ(t.Encode("a\xE2\x82"
+                     "b\xFF"),
+            t.Encode("a\xEF\xBF\xBD"
+                     "b\xEF\xBF\xBD"));
   EXPECT_EQ(internal::ReplaceInvalidUtf8("\xF0\x9F\x98"), "\xEF\xBF\xBD");
   EXPECT_EQ(internal::ReplaceInvalidUtf8("\xED\xA0\x80"), "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");
   EXPECT_EQ(internal::ReplaceInvalidUtf8("\xC0\xAF"), "\xEF\xBF\xBD\xEF\xBF\xBD");
@@ -92,7 +95,8 @@ TEST(TokenizerTest, IncrementalDecoderFlushesAnIncompleteTail) {
 TEST(TokenizerTest, ConcurrentEncodesAgree) {
   const Tokenizer& t = Qwen3();
   std::vector<std::string> texts;
-  for (int i = 0; i < 200; ++i) texts.push_back("word" + std::to_string(i * 7919) + " and more text " + std::to_string(i));
+  for (int i = 0; i < 200; ++i)
+    texts.push_back("word" + std::to_string(i * 7919) + " and more text " + std::to_string(i));
   std::vector<std::vector<int32_t>> want;
   for (const std::string& s : texts) want.push_back(t.Encode(s));
   std::vector<int> mismatches(4, 0);
@@ -118,11 +122,15 @@ TEST(TokenizerTest, MalformedFilesAreInvalidArgument) {
       {R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["ab"]}})", "merges[0]"},
       {R"({"model": {"type": "BPE", "vocab": {"a": "zero"}, "merges": []}})", "vocab"},
       {R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": [], "dropout": 0.1}})", "dropout"},
-      {R"({"model": {"type": "BPE", "vocab": {"a": 0}}, "normalizer": {"type": "BertNormalizer"}})", "normalizer"},
-      {R"({"model": {"type": "BPE", "vocab": {"a": 0}}, "pre_tokenizer": {"type": "Metaspace"}})", "pre_tokenizer"},
-      {R"({"model": {"type": "BPE", "vocab": {"a": 0}}, "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(unclosed"}, "behavior": "Isolated"}})", "regex"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 0}}, "normalizer": {"type": "BertNormalizer"}})",
+       "normalizer"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 0}}, "pre_tokenizer": {"type": "Metaspace"}})",
+       "pre_tokenizer"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 0}}, "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(unclosed"}, "behavior": "Isolated"}})",
+       "regex"},
       {R"({"model": {"type": "BPE", "vocab": {"a": 0}}, "decoder": {"type": "CTC"}})", "decoder"},
-      {R"({"model": {"type": "BPE", "vocab": {"a": 0}}, "added_tokens": [{"content": "x"}]})", "added_tokens[0]"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 0}}, "added_tokens": [{"content": "x"}]})",
+       "added_tokens[0]"},
       {R"({"model": {"type": "BPE", "vocab": {"a": 0}, "byte_fallback": "yes"}})", "byte_fallback"},
   };
   for (const auto& [json, needle] : cases) {

@@ -62,10 +62,18 @@ void AppendPyStringRepr(const std::string& s, std::string* out) {
   out->push_back(q);
   for (unsigned char c : s) {
     switch (c) {
-      case '\\': *out += "\\\\"; break;
-      case '\n': *out += "\\n"; break;
-      case '\r': *out += "\\r"; break;
-      case '\t': *out += "\\t"; break;
+      case '\\':
+        *out += "\\\\";
+        break;
+      case '\n':
+        *out += "\\n";
+        break;
+      case '\r':
+        *out += "\\r";
+        break;
+      case '\t':
+        *out += "\\t";
+        break;
       default:
         if (c == q) {
           out->push_back('\\');
@@ -84,12 +92,24 @@ void AppendPyStringRepr(const std::string& s, std::string* out) {
 
 void AppendRepr(const Json& x, std::string* out) {
   switch (x.type()) {
-    case Json::value_t::null: *out += "None"; return;
-    case Json::value_t::boolean: *out += x.get<bool>() ? "True" : "False"; return;
-    case Json::value_t::number_integer: *out += std::to_string(x.get<int64_t>()); return;
-    case Json::value_t::number_unsigned: *out += std::to_string(x.get<uint64_t>()); return;
-    case Json::value_t::number_float: *out += PyFloatRepr(x.get<double>()); return;
-    case Json::value_t::string: AppendPyStringRepr(x.get_ref<const std::string&>(), out); return;
+    case Json::value_t::null:
+      *out += "None";
+      return;
+    case Json::value_t::boolean:
+      *out += x.get<bool>() ? "True" : "False";
+      return;
+    case Json::value_t::number_integer:
+      *out += std::to_string(x.get<int64_t>());
+      return;
+    case Json::value_t::number_unsigned:
+      *out += std::to_string(x.get<uint64_t>());
+      return;
+    case Json::value_t::number_float:
+      *out += PyFloatRepr(x.get<double>());
+      return;
+    case Json::value_t::string:
+      AppendPyStringRepr(x.get_ref<const std::string&>(), out);
+      return;
     case Json::value_t::array: {
       out->push_back('[');
       bool first = true;
@@ -114,7 +134,9 @@ void AppendRepr(const Json& x, std::string* out) {
       out->push_back('}');
       return;
     }
-    default: *out += "None"; return;
+    default:
+      *out += "None";
+      return;
   }
 }
 
@@ -122,13 +144,27 @@ void AppendJsonString(const std::string& s, std::string* out) {
   out->push_back('"');
   for (unsigned char c : s) {
     switch (c) {
-      case '"': *out += "\\\""; break;
-      case '\\': *out += "\\\\"; break;
-      case '\n': *out += "\\n"; break;
-      case '\r': *out += "\\r"; break;
-      case '\t': *out += "\\t"; break;
-      case '\b': *out += "\\b"; break;
-      case '\f': *out += "\\f"; break;
+      case '"':
+        *out += "\\\"";
+        break;
+      case '\\':
+        *out += "\\\\";
+        break;
+      case '\n':
+        *out += "\\n";
+        break;
+      case '\r':
+        *out += "\\r";
+        break;
+      case '\t':
+        *out += "\\t";
+        break;
+      case '\b':
+        *out += "\\b";
+        break;
+      case '\f':
+        *out += "\\f";
+        break;
       default:
         if (c < 0x20) {
           char buf[8];
@@ -149,17 +185,28 @@ void AppendJson(const Json& x, std::optional<int> indent, const std::string& ite
     out->append(static_cast<size_t>(*indent) * level, ' ');
   };
   switch (x.type()) {
-    case Json::value_t::null: *out += "null"; return;
-    case Json::value_t::boolean: *out += x.get<bool>() ? "true" : "false"; return;
-    case Json::value_t::number_integer: *out += std::to_string(x.get<int64_t>()); return;
-    case Json::value_t::number_unsigned: *out += std::to_string(x.get<uint64_t>()); return;
+    case Json::value_t::null:
+      *out += "null";
+      return;
+    case Json::value_t::boolean:
+      *out += x.get<bool>() ? "true" : "false";
+      return;
+    case Json::value_t::number_integer:
+      *out += std::to_string(x.get<int64_t>());
+      return;
+    case Json::value_t::number_unsigned:
+      *out += std::to_string(x.get<uint64_t>());
+      return;
     case Json::value_t::number_float: {
       const double d = x.get<double>();
-      *out += std::isnan(d) ? "NaN" : std::isinf(d) ? (d > 0 ? "Infinity" : "-Infinity")
-                                                    : PyFloatRepr(d);
+      *out += std::isnan(d)   ? "NaN"
+              : std::isinf(d) ? (d > 0 ? "Infinity" : "-Infinity")
+                              : PyFloatRepr(d);
       return;
     }
-    case Json::value_t::string: AppendJsonString(x.get_ref<const std::string&>(), out); return;
+    case Json::value_t::string:
+      AppendJsonString(x.get_ref<const std::string&>(), out);
+      return;
     case Json::value_t::array: {
       if (x.empty()) {
         *out += "[]";
@@ -196,7 +243,9 @@ void AppendJson(const Json& x, std::optional<int> indent, const std::string& ite
       out->push_back('}');
       return;
     }
-    default: *out += "null"; return;
+    default:
+      *out += "null";
+      return;
   }
 }
 
