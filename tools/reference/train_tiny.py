@@ -299,20 +299,26 @@ def load_reference(folder):
 
 
 def greedy_ids(model, prompt, n, pad):
-    """n greedy tokens from generate (EOS ignored); checked against argmax of a full forward."""
+    """n greedy tokens, EOS ignored: generate's, checked against argmax steps of full forwards
+    (no KV cache); where generate stopped early or disagrees, the full-forward tokens are kept."""
     from transformers import GenerationConfig
     x = torch.tensor([prompt])
-    gc = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=pad)
+    gc = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=pad)
     with torch.no_grad():
-        gen = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)
-        out = [int(t) for t in gen[0, len(prompt):]]
-        full = model(torch.tensor([prompt + out])).logits[0]
-    if len(out) != n:
-        raise RuntimeError(f"generate gave {len(out)} tokens, wanted {n}")
-    argmax = [int(t) for t in full[len(prompt) - 1:-1].argmax(-1)]
-    if argmax != out:
-        log(f"WARNING: generate {out} differs from the argmax of a full forward {argmax}")
-    return out
+        try:
+            gen = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)
+            out = [int(t) for t in gen[0, len(prompt):]]
+        except Exception as e:  # the reference must still be written
+            log(f"WARNING: generate failed ({type(e).__name__}: {e})")
+            out = []
+        ids = list(prompt)
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    manual = ids[len(prompt):]
+    if out != manual:
+        log(f"WARNING: generate gave {out}, full-forward argmax {manual}; keeping the latter")
+    return manual
 
 
 def heldout_perplexity(model, ids):
@@ -489,8 +495,9 @@ def main():
                 "weights, eager attention; mean NLL (natural log) over the predicted tokens (the last "
                 f"{EVAL_WINDOW - 1} of each window); perplexity = exp(mean NLL)",
             **ppl),
-        "greedy": dict(how="transformers generate, do_sample=False, 64 new tokens, EOS ignored, CPU float32 "
-                           "from the bf16 weights; prompts encoded without special tokens",
+        "greedy": dict(how="transformers on the CPU in float32 from the bf16 weights, 64 new tokens, EOS "
+                           "ignored: generate(do_sample=False), checked against the argmax of a full "
+                           "forward at each step; prompts encoded without special tokens",
                        cases=greedy),
         "chat": chat,
         "train": dict(vars(args), experts_implementation=str(impl_used), optimizer="AdamW(0.9, 0.95), "
