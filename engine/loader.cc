@@ -487,8 +487,8 @@ class ExpertConverter {
 // its own thread, once the load has run for a second. Thread-safe Add().
 class Progress {
  public:
-  Progress(bool enabled, std::string what, uint64_t total)
-      : what_(std::move(what)), total_(total), start_(Clock::now()) {
+  Progress(bool enabled, std::string what)
+      : what_(std::move(what)), start_(Clock::now()) {
     if (enabled) thread_ = std::thread([this] { Loop(); });
   }
   ~Progress() {
@@ -501,6 +501,8 @@ class Progress {
     if (printed_) Print(/*final=*/true);
   }
   void Add(uint64_t bytes) { done_.fetch_add(bytes, std::memory_order_relaxed); }
+  // The bytes the whole load will convert (known once every tensor has been checked).
+  void SetTotal(uint64_t total) { total_.store(total, std::memory_order_relaxed); }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -514,15 +516,22 @@ class Progress {
   void Print(bool final) {
     const double secs = std::chrono::duration<double>(Clock::now() - start_).count();
     const double done = static_cast<double>(done_.load(std::memory_order_relaxed));
+    const double total = static_cast<double>(total_.load(std::memory_order_relaxed));
+    if (total == 0) {
+      std::fprintf(stderr, "loading %s: checking tensors, allocating the expert store (%.0f s)\n",
+                   what_.c_str(), secs);
+      return;
+    }
     const double rate = secs > 0 ? done / secs : 0;
-    const double left = rate > 0 ? (static_cast<double>(total_) - done) / rate : 0;
+    const double left = rate > 0 ? (total - done) / rate : 0;
     std::fprintf(stderr, "loading %s: %.2f/%.2f GiB, %.0f MiB/s, %s %.0f s\n", what_.c_str(),
-                 done / (1 << 30), static_cast<double>(total_) / (1 << 30), rate / (1 << 20),
-                 final ? "done in" : "about", final ? secs : left);
+                 done / (1 << 30), total / (1 << 30), rate / (1 << 20),
+                 !final ? "about" : done == total ? "done in" : "stopped after",
+                 final ? secs : left);
   }
 
   std::string what_;
-  uint64_t total_;
+  std::atomic<uint64_t> total_{0};
   Clock::time_point start_;
   std::atomic<uint64_t> done_{0};
   std::mutex mu_;
@@ -540,6 +549,8 @@ uint64_t SourceBytes(const MatrixSource& s) {
 
 absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
                                                         const LoadOptions& options) {
+  // The clock runs from the start: checking the files and allocating the store count too.
+  Progress progress(options.progress, dir);
   auto w = std::make_unique<ModelWeights>();
   ASSIGN_OR_RETURN(w->config, ModelConfig::FromFile(dir + "/config.json"));
   const ModelConfig& c = w->config;
@@ -683,8 +694,8 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
   std::vector<Scratch> scratch(pool.num_workers());
   std::vector<absl::Status> status(dense.size() + experts.size());
   const ExpertConverter convert(ef, H, I, banks, w->experts.get(), w.get());
+  progress.SetTotal(total);
   {
-    Progress progress(options.progress, dir, total);
     pool.ParallelFor(status.size(), [&](uint64_t i, int worker) {
       Scratch& s = scratch[worker];
       if (i < dense.size()) {

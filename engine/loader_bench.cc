@@ -1,7 +1,7 @@
 // Load time of a model folder per expert format (the repacking cost of each format shows here):
 //
 //   tools/bazel run --config=opt //engine:loader_bench -- --model=DIR [--threads=N]
-//       [--benchmark_filter=...]
+//       [--progress] [--benchmark_filter=...]
 //
 // DIR: any HF folder the loader takes, e.g. one from
 //   make_tiny_model --family qwen3_moe --out DIR --layers 4 --hidden 1024 --experts 32
@@ -22,6 +22,7 @@ namespace {
 
 std::string g_model;
 int g_threads = 0;
+bool g_progress = false;
 
 void BM_Load(benchmark::State& state, common::WeightFormat format) {
   absl::StatusOr<std::unique_ptr<Checkpoint>> ck = Checkpoint::Open(g_model);
@@ -33,7 +34,7 @@ void BM_Load(benchmark::State& state, common::WeightFormat format) {
   LoadOptions o;
   o.expert_format = format;
   o.threads = g_threads;
-  o.progress = false;
+  o.progress = g_progress;
   for (auto _ : state) {
     absl::StatusOr<std::unique_ptr<ModelWeights>> w = LoadModel(g_model, o);
     if (!w.ok()) {
@@ -56,12 +57,15 @@ int main(int argc, char** argv) {
       moe::engine::g_model = argv[i] + 8;
     } else if (std::strncmp(argv[i], "--threads=", 10) == 0) {
       moe::engine::g_threads = std::atoi(argv[i] + 10);
+    } else if (std::strcmp(argv[i], "--progress") == 0) {
+      moe::engine::g_progress = true;
     } else {
       rest.push_back(argv[i]);
     }
   }
   if (moe::engine::g_model.empty()) {
-    std::fprintf(stderr, "usage: loader_bench --model=DIR [--threads=N] [benchmark flags]\n");
+    std::fprintf(stderr,
+                 "usage: loader_bench --model=DIR [--threads=N] [--progress] [benchmark flags]\n");
     return 2;
   }
   for (moe::common::WeightFormat f :
