@@ -23,7 +23,7 @@
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, tokenizer, "third_party/qwen3_tokenizer", "directory with tokenizer.json");
-ABSL_FLAG(double, mb, 4.0, "size of the generated text in MB");
+ABSL_FLAG(double, mb, 2.0, "size of the generated text in MB");
 ABSL_FLAG(int, reps, 5, "timed repetitions of each side");
 ABSL_FLAG(std::string, hf_tokenizers, "",
           "path of the Node 'tokenizers' package; empty: ours only");
