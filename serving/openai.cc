@@ -403,7 +403,7 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, bool ch
   Json json;
   try {
     json = Json::parse(body.begin(), body.end());
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {  // parse errors, and numbers out of range (1e999)
     return Bad("body", absl::StrCat("is not valid JSON (", e.what(), ")"));
   }
   if (!json.is_object()) return Bad("body", "must be a JSON object");
