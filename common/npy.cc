@@ -96,11 +96,13 @@ absl::StatusOr<NpyArray> ParseNpy(std::string_view bytes, const std::string& ori
   const int major = static_cast<uint8_t>(bytes[6]);
   size_t header_len = 0, header_start = 0;
   if (major == 1) {
-    header_len = static_cast<uint8_t>(bytes[8]) | (static_cast<size_t>(static_cast<uint8_t>(bytes[9])) << 8);
+    header_len =
+        static_cast<uint8_t>(bytes[8]) | (static_cast<size_t>(static_cast<uint8_t>(bytes[9])) << 8);
     header_start = 10;
   } else if (major == 2 || major == 3) {
     if (bytes.size() < 12) return Bad(origin, "truncated header length");
-    for (int i = 3; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(bytes[8 + i]);
+    for (int i = 3; i >= 0; --i)
+      header_len = (header_len << 8) | static_cast<uint8_t>(bytes[8 + i]);
     header_start = 12;
   } else {
     return Bad(origin, absl::StrCat("unsupported format version ", major));
@@ -177,9 +179,9 @@ absl::StatusOr<NpyArray> ParseNpy(std::string_view bytes, const std::string& ori
     numel *= static_cast<uint64_t>(d);
   }
   if (numel * itemsize != avail) {
-    return Bad(origin, absl::StrCat("shape (", absl::StrJoin(a.shape, ", "), ") of ", descr,
-                                    " needs ", numel * itemsize, " data bytes, the file has ",
-                                    avail));
+    return Bad(origin,
+               absl::StrCat("shape (", absl::StrJoin(a.shape, ", "), ") of ", descr, " needs ",
+                            numel * itemsize, " data bytes, the file has ", avail));
   }
   const char* data = bytes.data() + data_start;
   if (a.dtype == NpyDtype::kFloat32) {
@@ -217,8 +219,8 @@ absl::StatusOr<std::string> SerializeNpy(const NpyArray& a) {
   const bool f32 = a.dtype == NpyDtype::kFloat32;
   const size_t n = f32 ? a.f32.size() : a.i32.size();
   if (static_cast<int64_t>(n) != a.numel()) {
-    return absl::InvalidArgumentError(absl::StrCat("npy: ", n, " elements for shape (",
-                                                   absl::StrJoin(a.shape, ", "), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("npy: ", n, " elements for shape (", absl::StrJoin(a.shape, ", "), ")"));
   }
   // numpy's repr of the shape tuple: "(3,)" for rank 1, "()" for a scalar.
   std::string shape = "(" + absl::StrJoin(a.shape, ", ");

@@ -59,8 +59,7 @@ TEST(NpyTest, WritesWhatNumpyWrites) {
 
 TEST(NpyTest, Int32AnyRankRoundTrip) {
   const std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/a.npy";
-  for (const std::vector<int64_t>& shape :
-       {std::vector<int64_t>{}, {5}, {2, 0, 3}, {2, 1, 3, 2}}) {
+  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{}, {5}, {2, 0, 3}, {2, 1, 3, 2}}) {
     NpyArray a;
     a.dtype = NpyDtype::kInt32;
     a.shape = shape;
@@ -73,7 +72,8 @@ TEST(NpyTest, Int32AnyRankRoundTrip) {
     EXPECT_EQ(b->i32, a.i32);
   }
   // numpy's tuple spellings: "(5,)" and "()".
-  absl::StatusOr<std::string> s = SerializeNpy(NpyArray{NpyDtype::kInt32, {5}, {}, {1, 2, 3, 4, 5}});
+  absl::StatusOr<std::string> s =
+      SerializeNpy(NpyArray{NpyDtype::kInt32, {5}, {}, {1, 2, 3, 4, 5}});
   ASSERT_TRUE(s.ok());
   EXPECT_NE(s->find("'shape': (5,), }"), std::string::npos);
   EXPECT_EQ(s->size() % 64, 20u);  // 64-aligned header, then 5 * 4 data bytes
@@ -81,10 +81,10 @@ TEST(NpyTest, Int32AnyRankRoundTrip) {
 
 TEST(NpyTest, Int64AndVersion2) {
   const int64_t v[3] = {-5, 0, 2147483647};
-  absl::StatusOr<NpyArray> a = ParseNpy(
-      WithHeader("{\"descr\": \"<i8\", \"fortran_order\": False, \"shape\": (3,)}",
-                 std::string(reinterpret_cast<const char*>(v), 24), 2),
-      "x.npy");
+  absl::StatusOr<NpyArray> a =
+      ParseNpy(WithHeader("{\"descr\": \"<i8\", \"fortran_order\": False, \"shape\": (3,)}",
+                          std::string(reinterpret_cast<const char*>(v), 24), 2),
+               "x.npy");
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_EQ(a->i32, (std::vector<int32_t>{-5, 0, 2147483647}));
   const int64_t big = int64_t{1} << 40;

@@ -138,9 +138,9 @@ class TensorFinder {
     const std::vector<int64_t> want =
         vector ? std::vector<int64_t>{cols} : std::vector<int64_t>{rows, cols};
     if (t->shape != want) {
-      return absl::InvalidArgumentError(absl::StrCat(*t->file, ": tensor \"", name,
-                                                     "\" has shape ", ShapeStr(t->shape),
-                                                     ", expected ", ShapeStr(want)));
+      return absl::InvalidArgumentError(absl::StrCat(*t->file, ": tensor \"", name, "\" has shape ",
+                                                     ShapeStr(t->shape), ", expected ",
+                                                     ShapeStr(want)));
     }
     MatrixSource s;
     s.tensor = t;
@@ -192,10 +192,9 @@ class TensorFinder {
     }
     const std::vector<int64_t> want = {CeilDiv(s->rows, kFp8Block), CeilDiv(s->cols, kFp8Block)};
     if (sc->shape != want) {
-      return absl::InvalidArgumentError(absl::StrCat(*sc->file, ": tensor \"", sname,
-                                                     "\" has shape ", ShapeStr(sc->shape),
-                                                     ", expected ", ShapeStr(want),
-                                                     " (128x128 blocks)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(*sc->file, ": tensor \"", sname, "\" has shape ", ShapeStr(sc->shape),
+                       ", expected ", ShapeStr(want), " (128x128 blocks)"));
     }
     if (sc->dtype != StDtype::kF32 && sc->dtype != StDtype::kBf16 && sc->dtype != StDtype::kF16) {
       return absl::InvalidArgumentError(absl::StrCat(*sc->file, ": tensor \"", sname,
@@ -259,8 +258,8 @@ struct Banks {
   int gate_up_global = -1, down_global = -1;
 };
 
-absl::StatusOr<moe_cache::BankLayout> MakeLayout(WeightFormat f, int64_t H, int64_t I,
-                                                 Banks* banks, bool* padded_scales) {
+absl::StatusOr<moe_cache::BankLayout> MakeLayout(WeightFormat f, int64_t H, int64_t I, Banks* banks,
+                                                 bool* padded_scales) {
   std::vector<moe_cache::BankSpec> specs;
   auto add = [&](const char* name, int64_t bytes) {
     specs.push_back({name, static_cast<uint64_t>(bytes), 0});
@@ -298,8 +297,8 @@ absl::StatusOr<moe_cache::BankLayout> MakeLayout(WeightFormat f, int64_t H, int6
       return absl::InternalError(absl::StrCat(
           "expert format ", std::string(common::WeightFormatName(f)), " with hidden ", H,
           " and moe_intermediate_size ", I, ": bank '", layout.bank(b).name, "' takes ",
-          layout.bank(b).bytes, " bytes per expert, not a multiple of ",
-          moe_cache::kRowAlignment, ", so a layer's experts cannot form one contiguous bank"));
+          layout.bank(b).bytes, " bytes per expert, not a multiple of ", moe_cache::kRowAlignment,
+          ", so a layer's experts cannot form one contiguous bank"));
     }
   }
   // fp8 scale rows of small shapes are padded in the store; cpu_moe then reads copies.
@@ -487,8 +486,7 @@ class ExpertConverter {
 // its own thread, once the load has run for a second. Thread-safe Add().
 class Progress {
  public:
-  Progress(bool enabled, std::string what)
-      : what_(std::move(what)), start_(Clock::now()) {
+  Progress(bool enabled, std::string what) : what_(std::move(what)), start_(Clock::now()) {
     if (enabled) thread_ = std::thread([this] { Loop(); });
   }
   ~Progress() {
@@ -526,7 +524,9 @@ class Progress {
     const double left = rate > 0 ? (total - done) / rate : 0;
     std::fprintf(stderr, "loading %s: %.2f/%.2f GiB, %.0f MiB/s, %s %.0f s\n", what_.c_str(),
                  done / (1 << 30), total / (1 << 30), rate / (1 << 20),
-                 !final ? "about" : done == total ? "done in" : "stopped after",
+                 !final          ? "about"
+                 : done == total ? "done in"
+                                 : "stopped after",
                  final ? secs : left);
   }
 
@@ -586,8 +586,8 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     LayerWeights& L = w->layers[l];
     const std::string p = absl::StrCat("model.layers.", l, ".");
-    RETURN_IF_ERROR(add_dense(p + "input_layernorm.weight", 1, H, true, DType::kF32,
-                              &L.input_layernorm));
+    RETURN_IF_ERROR(
+        add_dense(p + "input_layernorm.weight", 1, H, true, DType::kF32, &L.input_layernorm));
     RETURN_IF_ERROR(add_dense(p + "post_attention_layernorm.weight", 1, H, true, DType::kF32,
                               &L.post_attention_layernorm));
     const std::string a = p + "self_attn.";
@@ -669,8 +669,8 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
     if (padded_scales) {
       w->gate_up_scales.assign(
           num_moe, std::vector<float>(E * CeilDiv(2 * I, kFp8Block) * CeilDiv(H, kFp8Block)));
-      w->down_scales.assign(
-          num_moe, std::vector<float>(E * CeilDiv(H, kFp8Block) * CeilDiv(I, kFp8Block)));
+      w->down_scales.assign(num_moe,
+                            std::vector<float>(E * CeilDiv(H, kFp8Block) * CeilDiv(I, kFp8Block)));
     }
     if (ef == WeightFormat::kNvfp4) {
       w->gate_up_global_scales.assign(num_moe, std::vector<float>(E, 1.0f));

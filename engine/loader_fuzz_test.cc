@@ -43,10 +43,26 @@ std::string ValidFile() {
 }
 
 std::string Mutate(std::string s, std::mt19937_64& rng) {
-  static const char* kTokens[] = {"-1", "0", "1e30", "[]", "{}", "null", "\"F8_E4M3\"", "\"I64\"",
-                                  "18446744073709551615", "9223372036854775807", "[0,0]",
-                                  "\"shape\"", "\"data_offsets\"", "\"dtype\"", ",", ":", "\"",
-                                  "[4294967296,4294967296]", "1.5", "true"};
+  static const char* kTokens[] = {"-1",
+                                  "0",
+                                  "1e30",
+                                  "[]",
+                                  "{}",
+                                  "null",
+                                  "\"F8_E4M3\"",
+                                  "\"I64\"",
+                                  "18446744073709551615",
+                                  "9223372036854775807",
+                                  "[0,0]",
+                                  "\"shape\"",
+                                  "\"data_offsets\"",
+                                  "\"dtype\"",
+                                  ",",
+                                  ":",
+                                  "\"",
+                                  "[4294967296,4294967296]",
+                                  "1.5",
+                                  "true"};
   uint64_t header = 0;
   for (int i = 7; i >= 0; --i) header = (header << 8) | static_cast<uint8_t>(s[i]);
   const size_t hend = std::min<size_t>(s.size(), 8 + header);
@@ -118,9 +134,10 @@ TEST(LoaderFuzzTest, SafetensorsHeaders) {
 }
 
 TEST(LoaderFuzzTest, ModelFolders) {
-  absl::StatusOr<std::string> dir = testing::MakeTinyModel(
-      "fuzz_model", "--family qwen2_moe --layers 1 --experts 4 --vocab 32 --hidden 32 "
-                    "--moe_intermediate 32 --intermediate 32 --shared_intermediate 32");
+  absl::StatusOr<std::string> dir =
+      testing::MakeTinyModel("fuzz_model",
+                             "--family qwen2_moe --layers 1 --experts 4 --vocab 32 --hidden 32 "
+                             "--moe_intermediate 32 --intermediate 32 --shared_intermediate 32");
   ASSERT_TRUE(dir.ok()) << dir.status();
   const std::string st = *dir + "/model.safetensors", cfg = *dir + "/config.json";
   const std::string st_bytes = testing::ReadFile(st), cfg_bytes = testing::ReadFile(cfg);

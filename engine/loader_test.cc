@@ -214,9 +214,8 @@ TEST_P(LoaderFormatTest, ExpertsComputeTheCheckpointsMoe) {
   }
   common::ThreadPool pool(2);
   const cpu_moe::ExpertBank bank = m.ExpertBankFor(mi);
-  ASSERT_TRUE(cpu_moe::Forward(bank, T, k, ids, wts, x, absl::MakeSpan(y), cpu_moe::Options(),
-                               pool)
-                  .ok());
+  ASSERT_TRUE(
+      cpu_moe::Forward(bank, T, k, ids, wts, x, absl::MakeSpan(y), cpu_moe::Options(), pool).ok());
   // Reference (and a negative control with gate and up swapped, which must not pass).
   auto reference = [&](bool swap) {
     std::vector<double> ref(T * H, 0.0);
@@ -361,12 +360,12 @@ TEST(LoaderTest, ShardedIndexLoadsLikeOneFile) {
 }
 
 TEST(LoaderTest, Qwen2MoeSharedExpertBiasesAndDenseLayers) {
-  const std::string dir = Make(
-      "q2_mixed",
-      "--family qwen2_moe --seed 5 --layers 4 --decoder_sparse_step 2 --mlp_only_layers 3 "
-      "--tie_embeddings --transformers 5");
-  absl::StatusOr<std::unique_ptr<ModelWeights>> w = LoadModel(dir, Opts(WeightFormat::kBf16,
-                                                                        DType::kF32));
+  const std::string dir =
+      Make("q2_mixed",
+           "--family qwen2_moe --seed 5 --layers 4 --decoder_sparse_step 2 --mlp_only_layers 3 "
+           "--tie_embeddings --transformers 5");
+  absl::StatusOr<std::unique_ptr<ModelWeights>> w =
+      LoadModel(dir, Opts(WeightFormat::kBf16, DType::kF32));
   ASSERT_TRUE(w.ok()) << w.status();
   const ModelWeights& m = **w;
   absl::StatusOr<std::unique_ptr<Checkpoint>> ck = Checkpoint::Open(dir);
@@ -388,7 +387,8 @@ TEST(LoaderTest, Qwen2MoeSharedExpertBiasesAndDenseLayers) {
   const std::vector<float> qb = Values(*(*ck)->Find("model.layers.2.self_attn.q_proj.bias"));
   ASSERT_EQ(m.layers[2].q_bias.cols, static_cast<int64_t>(qb.size()));
   for (size_t i = 0; i < qb.size(); ++i) EXPECT_EQ(m.layers[2].q_bias.f32()[i], qb[i]);
-  const std::vector<float> sd = Values(*(*ck)->Find("model.layers.1.mlp.shared_expert.down_proj.weight"));
+  const std::vector<float> sd =
+      Values(*(*ck)->Find("model.layers.1.mlp.shared_expert.down_proj.weight"));
   ASSERT_EQ(m.layers[1].shared_down_proj.dtype, DType::kF32);
   for (size_t i = 0; i < sd.size(); ++i) ASSERT_EQ(m.layers[1].shared_down_proj.f32()[i], sd[i]);
   EXPECT_TRUE(m.layers[1].q_norm.empty());
@@ -397,8 +397,9 @@ TEST(LoaderTest, Qwen2MoeSharedExpertBiasesAndDenseLayers) {
 // FP8 block-quantized checkpoints: real = fp8 * weight_scale_inv per 128x128 block, against a
 // float64 reference computed here from the file's codes and scales.
 TEST(LoaderTest, Fp8CheckpointDequantizesLikeFloat64) {
-  const std::string dir = Make("fp8", "--family qwen3_moe --seed 6 --dtype fp8 --hidden 192 "
-                                      "--moe_intermediate 160 --heads 4 --head_dim 48");
+  const std::string dir = Make("fp8",
+                               "--family qwen3_moe --seed 6 --dtype fp8 --hidden 192 "
+                               "--moe_intermediate 160 --heads 4 --head_dim 48");
   absl::StatusOr<std::unique_ptr<ModelWeights>> w =
       LoadModel(dir, Opts(WeightFormat::kBf16, DType::kF32));
   ASSERT_TRUE(w.ok()) << w.status();
@@ -439,9 +440,10 @@ TEST(LoaderTest, Fp8CheckpointDequantizesLikeFloat64) {
 
 // FP8 experts in whole 128x128 blocks go into fp8_block as they are: codes and scales unchanged.
 TEST(LoaderTest, Fp8ExpertsPassStraightIntoFp8Block) {
-  const std::string dir = Make("fp8_pass", "--family qwen3_moe --seed 8 --dtype fp8 --layers 1 "
-                                           "--experts 2 --hidden 512 --moe_intermediate 128 "
-                                           "--vocab 64");
+  const std::string dir = Make("fp8_pass",
+                               "--family qwen3_moe --seed 8 --dtype fp8 --layers 1 "
+                               "--experts 2 --hidden 512 --moe_intermediate 128 "
+                               "--vocab 64");
   absl::StatusOr<std::unique_ptr<ModelWeights>> w = LoadModel(dir, Opts(WeightFormat::kFp8Block));
   ASSERT_TRUE(w.ok()) << w.status();
   absl::StatusOr<std::unique_ptr<Checkpoint>> ck = Checkpoint::Open(dir);
@@ -451,7 +453,8 @@ TEST(LoaderTest, Fp8ExpertsPassStraightIntoFp8Block) {
   for (int e = 0; e < 2; ++e) {
     const std::string p = absl::StrCat("model.layers.0.mlp.experts.", e, ".");
     const auto* codes = static_cast<const uint8_t*>(bank.gate_up_weights) + e * 2 * I * H;
-    const auto* scales = static_cast<const float*>(bank.gate_up_scales) + e * 2 * (I / 128) * (H / 128);
+    const auto* scales =
+        static_cast<const float*>(bank.gate_up_scales) + e * 2 * (I / 128) * (H / 128);
     const StTensor* up = (*ck)->Find(p + "up_proj.weight");
     const StTensor* up_s = (*ck)->Find(p + "up_proj.weight_scale_inv");
     EXPECT_EQ(std::memcmp(codes + I * H, up->data, I * H), 0);
@@ -503,9 +506,9 @@ TEST(LoaderErrorTest, MissingTensor) {
                   }
                 }
               }).ok());
-  ExpectError(LoadModel(dir, Opts()),
-              {dir + "/model.safetensors", "\"model.layers.1.mlp.experts.5.up_proj.weight\"",
-               "missing"});
+  ExpectError(
+      LoadModel(dir, Opts()),
+      {dir + "/model.safetensors", "\"model.layers.1.mlp.experts.5.up_proj.weight\"", "missing"});
 }
 
 TEST(LoaderErrorTest, WrongShape) {
@@ -549,8 +552,8 @@ TEST(LoaderErrorTest, HeaderOffsetsPastTheEnd) {
   const std::string path = dir + "/model.safetensors";
   ASSERT_TRUE(testing::RewriteHeader(path, [](nlohmann::json& h) {
                 auto& t = h["model.norm.weight"];
-                const uint64_t n = t["data_offsets"][1].get<uint64_t>() -
-                                   t["data_offsets"][0].get<uint64_t>();
+                const uint64_t n =
+                    t["data_offsets"][1].get<uint64_t>() - t["data_offsets"][0].get<uint64_t>();
                 t["data_offsets"] = {uint64_t{1} << 40, (uint64_t{1} << 40) + n};
               }).ok());
   ExpectError(LoadModel(dir, Opts()), {path, "\"model.norm.weight\"", "past the end"});

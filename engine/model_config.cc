@@ -78,7 +78,8 @@ class Fields {
   absl::Status Bool(const char* key, bool* out) const {
     const Json* v = Get(key);
     if (v == nullptr) return absl::OkStatus();
-    if (!v->is_boolean()) return Error(key, absl::StrCat("must be a boolean, got ", v->type_name()));
+    if (!v->is_boolean())
+      return Error(key, absl::StrCat("must be a boolean, got ", v->type_name()));
     *out = v->get<bool>();
     return absl::OkStatus();
   }
@@ -106,10 +107,10 @@ class Fields {
       if (!item.is_number_integer()) {
         return Error(key, "must be an integer or a list of integers");
       }
-      const int64_t i = item.is_number_unsigned()
-                            ? static_cast<int64_t>(std::min<uint64_t>(item.get<uint64_t>(),
-                                                                      uint64_t{1} << 62))
-                            : item.get<int64_t>();
+      const int64_t i =
+          item.is_number_unsigned()
+              ? static_cast<int64_t>(std::min<uint64_t>(item.get<uint64_t>(), uint64_t{1} << 62))
+              : item.get<int64_t>();
       if (i < lo || i > hi) {
         return Error(key, absl::StrCat("has ", i, ", outside [", lo, ", ", hi, "]"));
       }
@@ -123,7 +124,7 @@ class Fields {
   std::string origin_;
 };
 
-constexpr int64_t kMaxDim = int64_t{1} << 20;       // any hidden or intermediate size
+constexpr int64_t kMaxDim = int64_t{1} << 20;  // any hidden or intermediate size
 constexpr int64_t kMaxVocab = int64_t{1} << 24;
 constexpr int64_t kMaxLayers = 4096;
 constexpr int64_t kMaxExperts = 65536;
@@ -145,16 +146,15 @@ absl::Status ParseRope(const Json& rope, const std::string& origin, const char* 
   RETURN_IF_ERROR(f.String("rope_type", &type));
   if (type == "default") type.clear();
   if (!type.empty() && type != "yarn" && type != "linear" && type != "dynamic") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        sub_origin, ": rope type \"", type,
-        "\" is not supported (supported: default, linear, dynamic, yarn)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(sub_origin, ": rope type \"", type,
+                     "\" is not supported (supported: default, linear, dynamic, yarn)"));
   }
   r.type = type;
   RETURN_IF_ERROR(f.Double("rope_theta", &c->rope_theta, 1e-3, 1e12));
   RETURN_IF_ERROR(f.Double("factor", &r.factor, 1e-6, 1e6));
-  RETURN_IF_ERROR(
-      f.Int("original_max_position_embeddings", &r.original_max_position_embeddings, 0,
-            kMaxPositions));
+  RETURN_IF_ERROR(f.Int("original_max_position_embeddings", &r.original_max_position_embeddings, 0,
+                        kMaxPositions));
   RETURN_IF_ERROR(f.Double("beta_fast", &r.beta_fast, -1e6, 1e6));
   RETURN_IF_ERROR(f.Double("beta_slow", &r.beta_slow, -1e6, 1e6));
   RETURN_IF_ERROR(f.Double("mscale", &r.mscale, -1e6, 1e6));
@@ -217,8 +217,8 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(std::string_view json,
   const auto& types = SupportedModelTypes();
   if (std::find(types.begin(), types.end(), c.model_type) == types.end()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(origin, ": model_type \"", c.model_type, "\" is not supported (supported: ",
-                     absl::StrJoin(types, ", "), ")"));
+        absl::StrCat(origin, ": model_type \"", c.model_type,
+                     "\" is not supported (supported: ", absl::StrJoin(types, ", "), ")"));
   }
   const bool qwen3 = c.model_type == "qwen3_moe";
 
@@ -242,13 +242,14 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(std::string_view json,
   RETURN_IF_ERROR(f.Int("intermediate_size", &c.intermediate_size, 0, kMaxDim));
   RETURN_IF_ERROR(f.Int("moe_intermediate_size", &c.moe_intermediate_size, 1, kMaxDim));
   if (!qwen3) {
-    RETURN_IF_ERROR(f.Int("shared_expert_intermediate_size", &c.shared_expert_intermediate_size,
-                          0, kMaxDim));
+    RETURN_IF_ERROR(
+        f.Int("shared_expert_intermediate_size", &c.shared_expert_intermediate_size, 0, kMaxDim));
   } else if (f.Has("shared_expert_intermediate_size")) {
     int shared = 0;
     RETURN_IF_ERROR(f.Int("shared_expert_intermediate_size", &shared, 0, kMaxDim));
     if (shared != 0) {
-      return f.Error("shared_expert_intermediate_size", "must be 0 for qwen3_moe (no shared expert)");
+      return f.Error("shared_expert_intermediate_size",
+                     "must be 0 for qwen3_moe (no shared expert)");
     }
   }
   RETURN_IF_ERROR(f.Int("num_hidden_layers", &c.num_hidden_layers, 1, kMaxLayers));
@@ -263,9 +264,10 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(std::string_view json,
   RETURN_IF_ERROR(f.Int("head_dim", &c.head_dim, 1, 65536));
   if (c.head_dim == 0) {
     if (c.hidden_size % c.num_attention_heads != 0) {
-      return f.Error("hidden_size", absl::StrCat("(", c.hidden_size,
-                                                 ") is not a multiple of num_attention_heads (",
-                                                 c.num_attention_heads, ") and head_dim is absent"));
+      return f.Error(
+          "hidden_size",
+          absl::StrCat("(", c.hidden_size, ") is not a multiple of num_attention_heads (",
+                       c.num_attention_heads, ") and head_dim is absent"));
     }
     c.head_dim = c.hidden_size / c.num_attention_heads;
   }
@@ -288,9 +290,9 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(std::string_view json,
   RETURN_IF_ERROR(f.Int("num_experts", &c.num_experts, 0, kMaxExperts));
   RETURN_IF_ERROR(f.Int("num_experts_per_tok", &c.num_experts_per_tok, 1, kMaxExperts));
   if (c.num_experts > 0 && c.num_experts_per_tok > c.num_experts) {
-    return f.Error("num_experts_per_tok", absl::StrCat("(", c.num_experts_per_tok,
-                                                       ") exceeds num_experts (", c.num_experts,
-                                                       ")"));
+    return f.Error(
+        "num_experts_per_tok",
+        absl::StrCat("(", c.num_experts_per_tok, ") exceeds num_experts (", c.num_experts, ")"));
   }
   RETURN_IF_ERROR(f.Bool("norm_topk_prob", &c.norm_topk_prob));
   RETURN_IF_ERROR(f.Int("decoder_sparse_step", &c.decoder_sparse_step, 1, kMaxLayers));

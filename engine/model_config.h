@@ -28,8 +28,8 @@ struct ModelConfig {
   std::string model_type;  // "qwen3_moe" | "qwen2_moe"
   int vocab_size = 0;
   int hidden_size = 0;
-  int intermediate_size = 0;      // dense MLP layers (mlp_only_layers, sparse-step gaps)
-  int moe_intermediate_size = 0;  // one routed expert
+  int intermediate_size = 0;                // dense MLP layers (mlp_only_layers, sparse-step gaps)
+  int moe_intermediate_size = 0;            // one routed expert
   int shared_expert_intermediate_size = 0;  // 0: no shared expert
   int num_hidden_layers = 0;
   int num_attention_heads = 0;

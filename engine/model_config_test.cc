@@ -157,7 +157,8 @@ TEST(ModelConfigTest, BadJsonAndBadFields) {
   } cases[] = {
       {"{\"model_type\": \"qwen3_moe\",", "not valid JSON"},
       {"[1, 2]", "must be a JSON object"},
-      {R"({"model_type": "qwen3_moe", "hidden_size": "big"})", "\"hidden_size\" must be an integer"},
+      {R"({"model_type": "qwen3_moe", "hidden_size": "big"})",
+       "\"hidden_size\" must be an integer"},
       {R"({"model_type": "qwen3_moe", "hidden_size": -4})", "\"hidden_size\" is -4"},
       {R"({"model_type": "qwen3_moe", "num_key_value_heads": 5})", "must divide"},
       {R"({"model_type": "qwen3_moe", "mlp_only_layers": [99]})", "mlp_only_layers"},

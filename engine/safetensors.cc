@@ -29,12 +29,10 @@ struct DtypeInfo {
   int size;
 };
 constexpr DtypeInfo kDtypes[] = {
-    {StDtype::kF64, "F64", 8},       {StDtype::kF32, "F32", 4},
-    {StDtype::kF16, "F16", 2},       {StDtype::kBf16, "BF16", 2},
-    {StDtype::kF8E4M3, "F8_E4M3", 1}, {StDtype::kF8E5M2, "F8_E5M2", 1},
-    {StDtype::kI64, "I64", 8},       {StDtype::kI32, "I32", 4},
-    {StDtype::kI16, "I16", 2},       {StDtype::kI8, "I8", 1},
-    {StDtype::kU8, "U8", 1},         {StDtype::kBool, "BOOL", 1},
+    {StDtype::kF64, "F64", 8},   {StDtype::kF32, "F32", 4},        {StDtype::kF16, "F16", 2},
+    {StDtype::kBf16, "BF16", 2}, {StDtype::kF8E4M3, "F8_E4M3", 1}, {StDtype::kF8E5M2, "F8_E5M2", 1},
+    {StDtype::kI64, "I64", 8},   {StDtype::kI32, "I32", 4},        {StDtype::kI16, "I16", 2},
+    {StDtype::kI8, "I8", 1},     {StDtype::kU8, "U8", 1},          {StDtype::kBool, "BOOL", 1},
 };
 
 // The reference implementation's limit: a header above 100 MB is refused (and a lying length
@@ -65,8 +63,8 @@ absl::StatusOr<StDtype> ParseStDtype(std::string_view name) {
   for (const DtypeInfo& d : kDtypes) {
     if (name == d.name) return d.dtype;
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown safetensors dtype \"", std::string(name),
-                                                 "\""));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown safetensors dtype \"", std::string(name), "\""));
 }
 
 int StDtypeSize(StDtype dtype) {
@@ -82,7 +80,9 @@ int64_t StTensor::numel() const {
   return n;
 }
 
-std::string StTensor::ShapeString() const { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
+std::string StTensor::ShapeString() const {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
@@ -143,8 +143,8 @@ absl::Status SafetensorsFile::Parse() {
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | base_[i];  // little-endian
   if (header_len > kMaxHeaderBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(path_, ": header length ", header_len,
-                                                   " exceeds the 100 MB limit"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path_, ": header length ", header_len, " exceeds the 100 MB limit"));
   }
   if (header_len > size_ - 8) {
     return absl::InvalidArgumentError(absl::StrCat(path_, ": truncated: header of ", header_len,
@@ -153,8 +153,7 @@ absl::Status SafetensorsFile::Parse() {
   const char* hp = reinterpret_cast<const char*>(base_ + 8);
   Json header = Json::parse(hp, hp + header_len, nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path_, ": header is not a JSON object"));
+    return absl::InvalidArgumentError(absl::StrCat(path_, ": header is not a JSON object"));
   }
   const uint64_t data_begin = 8 + header_len;
   const uint64_t data_size = size_ - data_begin;
@@ -172,8 +171,8 @@ absl::Status SafetensorsFile::Parse() {
       }
       for (auto m = v.begin(); m != v.end(); ++m) {
         if (!m.value().is_string()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              path_, ": __metadata__ value of \"", m.key(), "\" must be a string"));
+          return absl::InvalidArgumentError(
+              absl::StrCat(path_, ": __metadata__ value of \"", m.key(), "\" must be a string"));
         }
         metadata_[m.key()] = m.value().get<std::string>();
       }
@@ -228,8 +227,9 @@ absl::Status SafetensorsFile::Parse() {
       return bad(absl::StrCat("data_offsets [", begin, ", ", end, "] end before they begin"));
     }
     if (end > data_size) {
-      return bad(absl::StrCat("data_offsets [", begin, ", ", end, "] run past the end of the data (",
-                              data_size, " bytes; file truncated or header lies)"));
+      return bad(absl::StrCat("data_offsets [", begin, ", ", end,
+                              "] run past the end of the data (", data_size,
+                              " bytes; file truncated or header lies)"));
     }
     if (end - begin != bytes) {
       return bad(absl::StrCat("data_offsets [", begin, ", ", end, "] hold ", end - begin,
@@ -271,8 +271,9 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
     absl::StatusOr<std::unique_ptr<SafetensorsFile>> f = SafetensorsFile::Open(single);
     if (!f.ok()) {
       if (absl::IsNotFound(f.status())) {
-        return absl::NotFoundError(absl::StrCat(dir, ": neither model.safetensors nor "
-                                                     "model.safetensors.index.json can be opened"));
+        return absl::NotFoundError(absl::StrCat(dir,
+                                                ": neither model.safetensors nor "
+                                                "model.safetensors.index.json can be opened"));
       }
       return f.status();
     }
@@ -296,8 +297,8 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   std::unordered_map<std::string, SafetensorsFile*> shards;
   for (auto it = wm->begin(); it != wm->end(); ++it) {
     if (!it.value().is_string()) {
-      return absl::InvalidArgumentError(absl::StrCat(index_path, ": weight_map entry \"", it.key(),
-                                                     "\" must name a file"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(index_path, ": weight_map entry \"", it.key(), "\" must name a file"));
     }
     const std::string shard = it.value().get<std::string>();
     // A shard is a file in this folder: a path in it could read anything on the machine.
@@ -344,8 +345,8 @@ absl::Status SafetensorsWriter::Add(const std::string& name, StDtype dtype,
     numel *= static_cast<uint64_t>(d);
   }
   if (numel * StDtypeSize(dtype) != bytes.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ": ", bytes.size(), " bytes for ",
-                                                   numel, " elements of ", StDtypeName(dtype)));
+    return absl::InvalidArgumentError(absl::StrCat(name, ": ", bytes.size(), " bytes for ", numel,
+                                                   " elements of ", StDtypeName(dtype)));
   }
   Entry e{name, dtype, std::move(shape), data_.size(), data_.size() + bytes.size()};
   data_.append(reinterpret_cast<const char*>(bytes.data()), bytes.size());

@@ -28,7 +28,18 @@
 namespace moe::engine {
 
 enum class StDtype {
-  kF64, kF32, kF16, kBf16, kF8E4M3, kF8E5M2, kI64, kI32, kI16, kI8, kU8, kBool,
+  kF64,
+  kF32,
+  kF16,
+  kBf16,
+  kF8E4M3,
+  kF8E5M2,
+  kI64,
+  kI32,
+  kI16,
+  kI8,
+  kU8,
+  kBool,
 };
 
 // "F32", "BF16", "F8_E4M3", ... as safetensors spells them.

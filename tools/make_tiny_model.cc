@@ -207,8 +207,9 @@ absl::Status Run() {
   if (L <= 0 || H <= 0 || E <= 0 || I <= 0 || D <= 0 || V <= 1 || heads <= 0 || kv <= 0 ||
       heads % kv != 0 || step <= 0 || shards <= 0 || absl::GetFlag(FLAGS_top_k) <= 0 ||
       absl::GetFlag(FLAGS_top_k) > E) {
-    return absl::InvalidArgumentError("sizes must be positive, heads a multiple of kv_heads, "
-                                      "top_k at most experts");
+    return absl::InvalidArgumentError(
+        "sizes must be positive, heads a multiple of kv_heads, "
+        "top_k at most experts");
   }
   if (!qwen3 && H % heads != 0) {
     return absl::InvalidArgumentError("qwen2_moe needs hidden to be a multiple of heads");
