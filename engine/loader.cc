@@ -60,7 +60,8 @@ float ScalarToFloat(StDtype dtype, const uint8_t* p) {
 
 // A [rows, cols] matrix in a checkpoint: a whole 2-D tensor (or a 1-D one as one row), or one
 // expert's rows of a fused 3-D tensor. F8_E4M3 matrices carry their 128x128 block scales
-// ([ceil(rows/128), ceil(cols/128)], real = fp8 * scale_inv).
+// ([ceil(rows/128), ceil(cols/128)], real = fp8 * scale_inv). A view into the checkpoint's
+// mapping (owns nothing); its methods are const and may run on any number of threads.
 struct MatrixSource {
   const StTensor* tensor = nullptr;
   const uint8_t* data = nullptr;
@@ -119,7 +120,8 @@ struct MatrixSource {
   }
 };
 
-// Looks tensors up with the checks every model file needs.
+// Looks tensors up with the checks every model file needs. Borrows the checkpoint, which must
+// outlive it and the MatrixSources it returns; const after construction, so thread-compatible.
 class TensorFinder {
  public:
   explicit TensorFinder(const Checkpoint& ckpt) : ckpt_(ckpt) {}
@@ -309,13 +311,17 @@ absl::StatusOr<moe_cache::BankLayout> MakeLayout(WeightFormat f, int64_t H, int6
   return layout;
 }
 
-// Per-worker scratch for expert conversion (sized for one expert).
+// Per-worker scratch for expert conversion (sized for one expert, reused across experts): the
+// only intermediate copies a load makes, one expert at a time per worker.
 struct Scratch {
   std::vector<float> gate_up, down;  // [2I, H], [H, I] floats
   std::vector<uint8_t> gu_bytes, down_bytes;
   std::vector<uint8_t> gu_codes, gu_scales, down_codes, down_scales;
 };
 
+// Converts one expert into the store's banks in the chosen format. Borrows the store and the
+// ModelWeights (for nvfp4 global scales and padded fp8 scales); Run() may run concurrently for
+// distinct experts, each with its own Scratch.
 class ExpertConverter {
  public:
   ExpertConverter(WeightFormat f, int64_t H, int64_t I, const Banks& banks,
@@ -482,8 +488,9 @@ class ExpertConverter {
   ModelWeights* weights_;
 };
 
-// Prints "loading DIR: 1.2/3.4 GiB, 456 MiB/s, 5 s left" on stderr about once a second, from
-// its own thread, once the load has run for a second. Thread-safe Add().
+// Prints "loading DIR: 1.2/3.4 GiB, 456 MiB/s, about 5 s" on stderr about once a second, from
+// a thread it owns, once the load has run for a second, and a last line when it ends. Add() and
+// SetTotal() are thread-safe.
 class Progress {
  public:
   Progress(bool enabled, std::string what) : what_(std::move(what)), start_(Clock::now()) {
