@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda_status.h"
+#include "common/status.h"
 
 #if MOE_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -64,6 +65,9 @@ absl::StatusOr<Graph> CaptureGraph(CUstream_st* stream, StepFn step) {
   if (stream == nullptr) {
     return absl::FailedPreconditionError("cannot capture the legacy default stream");
   }
+  // Capture is rare (once per bucket): the probe costs nothing that matters, and without a device
+  // the caller gets Unavailable rather than an opaque driver error.
+  RETURN_IF_ERROR(common::CudaAvailable());
   cudaStreamCaptureStatus before = cudaStreamCaptureStatusNone;
   CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &before));
   if (before != cudaStreamCaptureStatusNone) {

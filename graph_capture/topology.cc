@@ -4,6 +4,7 @@
 #include <string>
 
 #include "common/cuda_status.h"
+#include "common/status.h"
 
 #if MOE_HAVE_CUDA
 #include <cuda.h>  // driver types only; the entry points come from cudaGetDriverEntryPointByVersion
@@ -109,6 +110,8 @@ std::string KernelName(cudaGraphNode_t node) {
 }  // namespace
 
 absl::StatusOr<GraphTopology> ReadTopology(CUgraph_st* graph) {
+  RETURN_IF_ERROR(common::CudaAvailable());
+  if (graph == nullptr) return absl::InvalidArgumentError("no graph");
   GraphTopology t;
   size_t n = 0;
   CUDA_RETURN_IF_ERROR(cudaGraphGetNodes(graph, nullptr, &n));
