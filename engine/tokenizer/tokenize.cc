@@ -3,6 +3,7 @@
 //
 //   tokenize --tokenizer MODEL_DIR "Hello world"
 //   tokenize --tokenizer MODEL_DIR --chat conversation.json
+//   tokenize --tokenizer MODEL_DIR --file big.txt --count_only
 //
 // MODEL_DIR holds tokenizer.json (and tokenizer_config.json for --chat). conversation.json is
 // either a list of messages or {"messages": [...], "tools": [...], "add_generation_prompt": bool,
@@ -24,6 +25,8 @@
 ABSL_FLAG(std::string, tokenizer, "", "model directory with tokenizer.json");
 ABSL_FLAG(std::string, chat, "", "conversation JSON file to render through the chat template");
 ABSL_FLAG(bool, add_special_tokens, false, "apply the post-processor's special tokens");
+ABSL_FLAG(std::string, file, "", "read the text from this file (appended after TEXT)");
+ABSL_FLAG(bool, count_only, false, "print only the number of tokens");
 
 namespace {
 
@@ -46,6 +49,13 @@ int main(int argc, char** argv) {
   for (size_t i = 1; i < args.size(); ++i) {
     if (i > 1) text += ' ';
     text += args[i];
+  }
+  if (const std::string file = absl::GetFlag(FLAGS_file); !file.empty()) {
+    std::ifstream in(file, std::ios::binary);
+    if (!in) return Fail("cannot open " + file);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text += ss.str();
   }
   if (const std::string chat = absl::GetFlag(FLAGS_chat); !chat.empty()) {
     std::ifstream in(chat, std::ios::binary);
@@ -79,6 +89,7 @@ int main(int argc, char** argv) {
   const std::vector<int32_t> ids =
       (*tokenizer)->Encode(text, absl::GetFlag(FLAGS_add_special_tokens));
   std::cout << ids.size() << " tokens\n";
+  if (absl::GetFlag(FLAGS_count_only)) return 0;
   for (int32_t id : ids) {
     const int32_t one[] = {id};
     std::cout << id << "\t" << (*tokenizer)->IdToToken(id) << "\t"
