@@ -214,6 +214,13 @@ TEST_P(LoaderFormatTest, ExpertsComputeTheCheckpointsMoe) {
   }
   common::ThreadPool pool(2);
   const cpu_moe::ExpertBank bank = m.ExpertBankFor(mi);
+  // The weights cpu_moe reads are the store's memory, this layer's rows of it.
+  const moe_cache::ExpertStore& store = *m.experts;
+  EXPECT_EQ(bank.gate_up_weights, store.expert_bank(mi * E, BankIndex(store, "gate_up")));
+  EXPECT_EQ(bank.down_weights, store.expert_bank(mi * E, BankIndex(store, "down")));
+  EXPECT_EQ(bank.layout, fc.format == WeightFormat::kBf16 || fc.format == WeightFormat::kFp8Block
+                             ? cpu_moe::Layout::kRowMajor
+                             : cpu_moe::Layout::kPanels);
   ASSERT_TRUE(
       cpu_moe::Forward(bank, T, k, ids, wts, x, absl::MakeSpan(y), cpu_moe::Options(), pool).ok());
   // Reference (and a negative control with gate and up swapped, which must not pass).
