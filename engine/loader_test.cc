@@ -401,6 +401,33 @@ TEST(LoaderTest, Qwen2MoeSharedExpertBiasesAndDenseLayers) {
   EXPECT_TRUE(m.layers[1].q_norm.empty());
 }
 
+// F32 and F16 checkpoints: f32 dense tensors hold the file's values exactly (f16 widens
+// exactly), bf16 experts are those values rounded to nearest even.
+TEST(LoaderTest, F32AndF16Sources) {
+  for (const char* dtype : {"f32", "f16"}) {
+    const std::string dir = Make(absl::StrCat("src_", dtype),
+                                 absl::StrCat("--family qwen2_moe --seed 9 --dtype ", dtype));
+    absl::StatusOr<std::unique_ptr<ModelWeights>> w =
+        LoadModel(dir, Opts(WeightFormat::kBf16, DType::kF32));
+    ASSERT_TRUE(w.ok()) << w.status();
+    absl::StatusOr<std::unique_ptr<Checkpoint>> ck = Checkpoint::Open(dir);
+    ASSERT_TRUE(ck.ok());
+    const StTensor* o = (*ck)->Find("model.layers.0.self_attn.o_proj.weight");
+    EXPECT_EQ(o->dtype, std::string(dtype) == "f32" ? StDtype::kF32 : StDtype::kF16);
+    const std::vector<float> ov = Values(*o);
+    const Tensor& ot = (*w)->layers[0].o_proj;
+    ASSERT_EQ(ot.numel(), static_cast<int64_t>(ov.size()));
+    for (size_t i = 0; i < ov.size(); ++i) ASSERT_EQ(ot.f32()[i], ov[i]) << dtype << " " << i;
+    const std::vector<float> dv =
+        Values(*(*ck)->Find("model.layers.1.mlp.experts.6.down_proj.weight"));
+    const cpu_moe::ExpertBank bank = (*w)->ExpertBankFor(1);
+    const auto* down = static_cast<const uint16_t*>(bank.down_weights) + 6 * dv.size();
+    for (size_t i = 0; i < dv.size(); ++i) {
+      ASSERT_EQ(down[i], common::FloatToBf16(dv[i])) << dtype << " " << i;
+    }
+  }
+}
+
 // FP8 block-quantized checkpoints: real = fp8 * weight_scale_inv per 128x128 block, against a
 // float64 reference computed here from the file's codes and scales.
 TEST(LoaderTest, Fp8CheckpointDequantizesLikeFloat64) {
