@@ -113,7 +113,7 @@ TEST(LoaderFuzzTest, SafetensorsHeaders) {
   const std::string valid = ValidFile();
   ASSERT_TRUE(SafetensorsFile::FromBytes(valid, "valid").ok());
   std::mt19937_64 rng(12345);
-  const auto deadline = Clock::now() + std::chrono::milliseconds(1500);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(1000);
   int runs = 0, accepted = 0;
   uint64_t sink = 0;
   while (Clock::now() < deadline) {
@@ -147,7 +147,7 @@ TEST(LoaderFuzzTest, ModelFolders) {
   o.expert_format = common::WeightFormat::kQ4_0;
   ASSERT_TRUE(LoadModel(*dir, o).ok());
   std::mt19937_64 rng(777);
-  const auto deadline = Clock::now() + std::chrono::milliseconds(1500);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(1000);
   int runs = 0, loaded = 0;
   while (Clock::now() < deadline) {
     const bool mutate_config = rng() % 4 == 0;
@@ -173,6 +173,51 @@ TEST(LoaderFuzzTest, ModelFolders) {
   }
   std::printf("%d mutated model folders, %d loaded\n", runs, loaded);
   EXPECT_GT(runs, 20);
+}
+
+TEST(LoaderFuzzTest, ShardIndexes) {
+  absl::StatusOr<std::string> dir =
+      testing::MakeTinyModel("fuzz_index",
+                             "--family qwen3_moe --layers 1 --experts 4 --vocab 32 --hidden 32 "
+                             "--moe_intermediate 32 --heads 2 --head_dim 16 --shards 3");
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  const std::string path = *dir + "/model.safetensors.index.json";
+  const std::string valid = testing::ReadFile(path);
+  LoadOptions o;
+  o.threads = 1;
+  o.progress = false;
+  ASSERT_TRUE(LoadModel(*dir, o).ok());
+  static const char* kNames[] = {"\"model-00001-of-00003.safetensors\"",
+                                 "\"../config.json\"",
+                                 "\"\"",
+                                 "\"config.json\"",
+                                 "null",
+                                 "3",
+                                 "{}",
+                                 "\"/etc/hosts\""};
+  std::mt19937_64 rng(99);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(700);
+  int runs = 0;
+  while (Clock::now() < deadline) {
+    std::string s = valid;
+    for (int r = 0; r < 1 + static_cast<int>(rng() % 3); ++r) {
+      const size_t pos = rng() % s.size();
+      if (rng() % 2 == 0) {
+        // Point a weight_map entry elsewhere: at another shard, out of the folder, at a non-file.
+        const size_t q = s.find("\"model-0000", pos);
+        if (q != std::string::npos) {
+          s.replace(q, 34, kNames[rng() % (sizeof(kNames) / sizeof(kNames[0]))]);
+        }
+      } else {
+        s[pos] = static_cast<char>(rng());
+      }
+    }
+    testing::WriteFile(path, s);
+    absl::StatusOr<std::unique_ptr<ModelWeights>> w = LoadModel(*dir, o);
+    ++runs;
+  }
+  std::printf("%d mutated indexes\n", runs);
+  EXPECT_GT(runs, 10);
 }
 
 }  // namespace
