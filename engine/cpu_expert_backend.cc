@@ -24,18 +24,16 @@ cpu_moe::Options CpuExpertBackend::DefaultOptions(bool deterministic, bool f32_a
 
 absl::Status CpuExpertBackend::Forward(int moe_layer, int num_tokens, int top_k,
                                        absl::Span<const int32_t> ids,
-                                       absl::Span<const float> weights, const float* x,
-                                       float* y) {
+                                       absl::Span<const float> weights, const float* x, float* y) {
   if (moe_layer < 0 || moe_layer >= static_cast<int>(banks_.size())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("MoE layer ", moe_layer, " of ", banks_.size()));
+    return absl::InvalidArgumentError(absl::StrCat("MoE layer ", moe_layer, " of ", banks_.size()));
   }
   const cpu_moe::ExpertBank& bank = banks_[moe_layer];
   cpu_moe::ForwardStats stats;
   const size_t n = static_cast<size_t>(num_tokens) * bank.hidden;
-  absl::Status s = cpu_moe::Forward(bank, num_tokens, top_k, ids, weights,
-                                    absl::MakeConstSpan(x, n), absl::MakeSpan(y, n), options_,
-                                    *pool_, &stats);
+  absl::Status s =
+      cpu_moe::Forward(bank, num_tokens, top_k, ids, weights, absl::MakeConstSpan(x, n),
+                       absl::MakeSpan(y, n), options_, *pool_, &stats);
   total_routes_ += stats.routes;
   total_unique_ += stats.unique_experts;
   return s;

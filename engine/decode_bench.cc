@@ -78,10 +78,10 @@ uint64_t TensorBytes(const Tensor& t) {
 uint64_t DenseBytes(const ModelWeights& w) {
   uint64_t b = TensorBytes(w.lm_head.empty() ? w.embed_tokens : w.lm_head);
   for (const LayerWeights& l : w.layers) {
-    for (const Tensor* t : {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.router,
-                            &l.shared_gate_proj, &l.shared_up_proj, &l.shared_down_proj,
-                            &l.shared_expert_gate, &l.mlp_gate_proj, &l.mlp_up_proj,
-                            &l.mlp_down_proj}) {
+    for (const Tensor* t :
+         {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.router, &l.shared_gate_proj,
+          &l.shared_up_proj, &l.shared_down_proj, &l.shared_expert_gate, &l.mlp_gate_proj,
+          &l.mlp_up_proj, &l.mlp_down_proj}) {
       b += TensorBytes(*t);
     }
   }
@@ -98,16 +98,17 @@ struct Case {
 int ArgMax(const float* l, int n) { return static_cast<int>(std::max_element(l, l + n) - l); }
 
 void Print(const Case& c) {
-  std::printf("%-5s %-7s batch %3d  %9.2f tok/s  roofline %9.2f tok/s (%.1f MB/token at %.1f "
-              "GB/s)  fraction %.2f  experts/layer %.1f\n",
-              c.format.c_str(), c.kind.c_str(), c.batch, c.tok_s, c.roofline_tok_s,
-              c.bytes_per_token / 1e6, c.dram_gbps, c.fraction, c.unique_experts_per_layer);
+  std::printf(
+      "%-5s %-7s batch %3d  %9.2f tok/s  roofline %9.2f tok/s (%.1f MB/token at %.1f "
+      "GB/s)  fraction %.2f  experts/layer %.1f\n",
+      c.format.c_str(), c.kind.c_str(), c.batch, c.tok_s, c.roofline_tok_s, c.bytes_per_token / 1e6,
+      c.dram_gbps, c.fraction, c.unique_experts_per_layer);
   std::fflush(stdout);
 }
 
 int Run() {
-  const int threads = absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads)
-                                                       : common::PhysicalCoreCount();
+  const int threads =
+      absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads) : common::PhysicalCoreCount();
   common::ThreadPool pool(threads, /*pin_to_cores=*/true);
   common::DramProbe probe(pool, static_cast<size_t>(absl::GetFlag(FLAGS_membw_mib)) << 20);
   std::vector<int> batches;
@@ -221,15 +222,14 @@ int Run() {
       for (int step = 0; step < S; ++step) {
         chunks.clear();
         for (int b = 0; b < B; ++b) {
-          chunks.push_back({absl::MakeConstSpan(&next[b], 1), C + step, &tables[b],
-                            Model::Logits::kLast});
+          chunks.push_back(
+              {absl::MakeConstSpan(&next[b], 1), C + step, &tables[b], Model::Logits::kLast});
           kv_bytes += static_cast<double>(kv_token_bytes) * (C + step + 1);
         }
         logits.clear();
         if (!(*model)->Forward(chunks, kv->get(), &logits).ok()) return 1;
         for (int b = 0; b < B; ++b) {
-          next[b] =
-              ArgMax(logits.data() + static_cast<size_t>(b) * cfg.vocab_size, cfg.vocab_size);
+          next[b] = ArgMax(logits.data() + static_cast<size_t>(b) * cfg.vocab_size, cfg.vocab_size);
         }
       }
       Case c;

@@ -57,8 +57,7 @@ DenseLinear::DenseLinear(common::ThreadPool* pool, bool deterministic, int onedn
 
 DenseLinear::~DenseLinear() = default;
 
-absl::Status DenseLinear::Apply(const Tensor& w, const float* x, int m, float* y,
-                                bool accumulate) {
+absl::Status DenseLinear::Apply(const Tensor& w, const float* x, int m, float* y, bool accumulate) {
   const int k = static_cast<int>(w.cols), n = static_cast<int>(w.rows);
   const bool bf16 = w.dtype == DType::kBf16;
   const void* wp = bf16 ? static_cast<const void*>(w.bf16()) : static_cast<const void*>(w.f32());
@@ -92,8 +91,8 @@ absl::Status DenseLinear::Apply(const Tensor& w, const float* x, int m, float* y
       for (size_t i = 0; i < impl_->y_tmp.size(); ++i) y[i] += impl_->y_tmp[i];
     }
   } catch (const dnnl::error& e) {
-    return absl::InternalError(absl::StrCat("oneDNN matmul [", m, " x ", k, "] x [", k, " x ",
-                                            n, "]: ", e.what()));
+    return absl::InternalError(
+        absl::StrCat("oneDNN matmul [", m, " x ", k, "] x [", k, " x ", n, "]: ", e.what()));
   }
   return absl::OkStatus();
 }

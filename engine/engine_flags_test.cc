@@ -11,9 +11,15 @@ namespace moe::engine {
 namespace {
 
 TEST(EngineFlagsTest, DashedNamesAndValuesReachTheOptions) {
-  std::vector<std::string> args = {"prog",          "--expert-format=q4_0", "--max-batch",
-                                   "8",             "--kv_blocks=100",      "--deterministic",
-                                   "positional",    "--",                   "--not-a-flag"};
+  std::vector<std::string> args = {"prog",
+                                   "--expert-format=q4_0",
+                                   "--max-batch",
+                                   "8",
+                                   "--kv_blocks=100",
+                                   "--deterministic",
+                                   "positional",
+                                   "--",
+                                   "--not-a-flag"};
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   const std::vector<char*> rest =

@@ -81,7 +81,8 @@ TEST(HfFixtureTest, TeacherForcedLogitsMatchTransformers) {
     std::vector<cpu_moe::ExpertBank> banks;
     for (int i = 0; i < c.NumMoeLayers(); ++i) banks.push_back((*w)->ExpertBankFor(i));
     CpuExpertBackend backend(banks, CpuExpertBackend::DefaultOptions(true, f32), &pool);
-    std::vector<std::vector<int32_t>> prompts = ref.at("prompts").get<std::vector<std::vector<int32_t>>>();
+    std::vector<std::vector<int32_t>> prompts =
+        ref.at("prompts").get<std::vector<std::vector<int32_t>>>();
     size_t longest = 1;
     for (const auto& p : prompts) longest = std::max(longest, p.size());
     auto model = Model::Create(w->get(), &backend, &pool, /*deterministic=*/false,
@@ -108,15 +109,15 @@ TEST(HfFixtureTest, TeacherForcedLogitsMatchTransformers) {
       ASSERT_EQ(want->size(), prompts[i].size() * c.vocab_size);
       double diff = 0, scale = 0;
       for (size_t j = 0; j < want->size(); ++j) {
-        diff = std::max(diff, static_cast<double>(std::abs(logits[row * c.vocab_size + j] -
-                                                           (*want)[j])));
+        diff = std::max(diff,
+                        static_cast<double>(std::abs(logits[row * c.vocab_size + j] - (*want)[j])));
         scale = std::max(scale, static_cast<double>(std::abs((*want)[j])));
       }
       const double tol = f32 ? 1e-4 : 2e-2;
-      EXPECT_LE(diff / scale, tol) << "prompt " << i << ": max abs diff " << diff
-                                   << ", max |logit| " << scale;
-      std::printf("%s prompt %zu: max abs diff / max |logit| = %.3g\n",
-                  dir.filename().c_str(), i, diff / scale);
+      EXPECT_LE(diff / scale, tol)
+          << "prompt " << i << ": max abs diff " << diff << ", max |logit| " << scale;
+      std::printf("%s prompt %zu: max abs diff / max |logit| = %.3g\n", dir.filename().c_str(), i,
+                  diff / scale);
       row += prompts[i].size();
     }
   }

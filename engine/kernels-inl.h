@@ -71,7 +71,8 @@ inline void Axpy(float alpha, const float* HWY_RESTRICT x, float* HWY_RESTRICT y
   const int N = static_cast<int>(hn::Lanes(d));
   const auto va = hn::Set(d, alpha);
   int i = 0;
-  for (; i + N <= n; i += N) hn::StoreU(hn::MulAdd(va, hn::LoadU(d, x + i), hn::LoadU(d, y + i)), d, y + i);
+  for (; i + N <= n; i += N)
+    hn::StoreU(hn::MulAdd(va, hn::LoadU(d, x + i), hn::LoadU(d, y + i)), d, y + i);
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 

@@ -3,12 +3,14 @@
 
 #include <cstring>
 
+// foreach_target.h re-includes this file once per target, so it must come first.
+// clang-format off
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "engine/kernels.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
-
-#include "engine/kernels-inl.h"
 #include "hwy/highway.h"
+#include "engine/kernels-inl.h"
+// clang-format on
 
 #if HWY_ONCE
 namespace moe::engine {

@@ -30,12 +30,12 @@ struct AttentionArgs {
   int num_heads = 0;
   int num_kv_heads = 0;
   int head_dim = 0;
-  int block_size = 0;            // tokens per KV block
-  float scale = 1.0f;            // multiplies q . k
-  const float* q = nullptr;      // [rows, num_heads, head_dim]
-  float* out = nullptr;          // [rows, num_heads, head_dim]
-  const int32_t* positions = nullptr;             // [rows]
-  const int32_t* const* block_tables = nullptr;   // [rows] -> block ids of the row's sequence
+  int block_size = 0;                            // tokens per KV block
+  float scale = 1.0f;                            // multiplies q . k
+  const float* q = nullptr;                      // [rows, num_heads, head_dim]
+  float* out = nullptr;                          // [rows, num_heads, head_dim]
+  const int32_t* positions = nullptr;            // [rows]
+  const int32_t* const* block_tables = nullptr;  // [rows] -> block ids of the row's sequence
   // Block b's keys are k_cache + b * block_stride: [num_kv_heads, block_size, head_dim]; same
   // for values.
   const float* k_cache = nullptr;

@@ -11,8 +11,7 @@ namespace moe::engine {
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(int num_layers, int num_kv_heads,
                                                          int head_dim, int block_size,
                                                          int num_blocks) {
-  if (num_layers <= 0 || num_kv_heads <= 0 || head_dim <= 0 || block_size <= 0 ||
-      num_blocks <= 0) {
+  if (num_layers <= 0 || num_kv_heads <= 0 || head_dim <= 0 || block_size <= 0 || num_blocks <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "KV cache sizes must be > 0: layers ", num_layers, ", kv heads ", num_kv_heads,
         ", head_dim ", head_dim, ", block size ", block_size, ", blocks ", num_blocks));
@@ -52,8 +51,7 @@ void KvCache::Free(std::vector<int32_t>* table) {
   table->clear();
 }
 
-void KvCache::Store(int layer, const int32_t* table, int position, const float* k,
-                    const float* v) {
+void KvCache::Store(int layer, const int32_t* table, int position, const float* k, const float* v) {
   const int64_t block = table[position / block_size_];
   const int slot = position % block_size_;
   float* kb = keys(layer) + block * block_stride_;

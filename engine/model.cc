@@ -37,14 +37,14 @@ Model::Model(const ModelWeights* weights, ExpertBackend* experts, common::Thread
 
 absl::StatusOr<std::unique_ptr<Model>> Model::Create(const ModelWeights* weights,
                                                      ExpertBackend* experts,
-                                                     common::ThreadPool* pool,
-                                                     bool deterministic, int max_positions) {
+                                                     common::ThreadPool* pool, bool deterministic,
+                                                     int max_positions) {
   const ModelConfig& c = weights->config;
   if (c.num_attention_heads <= 0 || c.num_key_value_heads <= 0 ||
       c.num_attention_heads % c.num_key_value_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "num_attention_heads ", c.num_attention_heads, " must be a positive multiple of ",
-        "num_key_value_heads ", c.num_key_value_heads));
+    return absl::InvalidArgumentError(absl::StrCat("num_attention_heads ", c.num_attention_heads,
+                                                   " must be a positive multiple of ",
+                                                   "num_key_value_heads ", c.num_key_value_heads));
   }
   if (static_cast<int>(weights->layers.size()) != c.num_hidden_layers) {
     return absl::InvalidArgumentError(absl::StrCat("weights hold ", weights->layers.size(),
@@ -88,9 +88,8 @@ absl::Status Model::MoeBlock(const LayerWeights& lw, int rows, const float* x, f
     }
     for (int e = 0; e < E; ++e) p[e] /= sum;
     std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + K, order.end(), [&](int32_t a, int32_t b) {
-      return p[a] > p[b] || (p[a] == p[b] && a < b);
-    });
+    std::partial_sort(order.begin(), order.begin() + K, order.end(),
+                      [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
     float topsum = 0.0f;
     for (int j = 0; j < K; ++j) topsum += p[order[j]];
     for (int j = 0; j < K; ++j) {
@@ -102,8 +101,8 @@ absl::Status Model::MoeBlock(const LayerWeights& lw, int rows, const float* x, f
   RETURN_IF_ERROR(experts_->Forward(lw.moe_index, rows, K, route_ids_, route_w_, x, h));
   if (!lw.shared_gate_proj.empty()) {
     mlp_out_.resize(static_cast<size_t>(rows) * H);
-    RETURN_IF_ERROR(Mlp(lw.shared_gate_proj, lw.shared_up_proj, lw.shared_down_proj, rows, x,
-                        mlp_out_.data()));
+    RETURN_IF_ERROR(
+        Mlp(lw.shared_gate_proj, lw.shared_up_proj, lw.shared_down_proj, rows, x, mlp_out_.data()));
     sgate_.resize(rows);
     RETURN_IF_ERROR(dense_.Apply(lw.shared_expert_gate, x, rows, sgate_.data()));
     for (int r = 0; r < rows; ++r) {
@@ -126,8 +125,8 @@ absl::Status Model::Forward(absl::Span<const Chunk> chunks, KvCache* kv,
     if (ch.block_table == nullptr) return absl::InvalidArgumentError("chunk without blocks");
     const int end = ch.start + static_cast<int>(ch.tokens.size());
     if (ch.start < 0 || end > max_positions()) {
-      return absl::InvalidArgumentError(absl::StrCat("positions [", ch.start, ", ", end,
-                                                     ") outside [0, ", max_positions(), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("positions [", ch.start, ", ", end, ") outside [0, ", max_positions(), ")"));
     }
     if (static_cast<int64_t>(ch.block_table->size()) * kv->block_size() < end) {
       return absl::InternalError("block table does not cover the chunk");
@@ -207,15 +206,13 @@ absl::Status Model::Forward(absl::Span<const Chunk> chunks, KvCache* kv,
     Attention(args, *pool_);
     RETURN_IF_ERROR(dense_.Apply(lw.o_proj, attn_.data(), rows, h_.data(), /*accumulate=*/true));
 
-    RmsNormRows(h_.data(), rows, H, lw.post_attention_layernorm.f32(), c.rms_norm_eps,
-                xn_.data());
+    RmsNormRows(h_.data(), rows, H, lw.post_attention_layernorm.f32(), c.rms_norm_eps, xn_.data());
     if (lw.is_moe) {
       RETURN_IF_ERROR(MoeBlock(lw, rows, xn_.data(), h_.data()));
     } else {
       mlp_out_.resize(T * H);
-      RETURN_IF_ERROR(
-          Mlp(lw.mlp_gate_proj, lw.mlp_up_proj, lw.mlp_down_proj, rows, xn_.data(),
-              mlp_out_.data()));
+      RETURN_IF_ERROR(Mlp(lw.mlp_gate_proj, lw.mlp_up_proj, lw.mlp_down_proj, rows, xn_.data(),
+                          mlp_out_.data()));
       for (size_t i = 0; i < T * H; ++i) h_[i] += mlp_out_[i];
     }
   }

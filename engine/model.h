@@ -33,8 +33,8 @@ class Model {
   // max_positions bounds positions (RoPE table size).
   static absl::StatusOr<std::unique_ptr<Model>> Create(const ModelWeights* weights,
                                                        ExpertBackend* experts,
-                                                       common::ThreadPool* pool,
-                                                       bool deterministic, int max_positions);
+                                                       common::ThreadPool* pool, bool deterministic,
+                                                       int max_positions);
 
   enum class Logits { kNone, kLast, kAll };
   // A run of consecutive tokens of one sequence, starting at position `start`; its KV blocks

@@ -41,19 +41,21 @@ struct Sequence {
   int num_computed = 0;         // tokens whose keys and values are in the cache
   std::vector<int32_t> blocks;  // KV block table
   uint64_t seed = 0;
-  bool started = false;         // admitted at least once (sampler, decoder made, forced sent)
-  bool finished = false;        // its final event was delivered
+  bool started = false;   // admitted at least once (sampler, decoder made, forced sent)
+  bool finished = false;  // its final event was delivered
   std::unique_ptr<SequenceSampler> sampler;
   std::unique_ptr<tokenizer::IncrementalDecoder> decoder;
-  std::string text;             // output text decoded so far
-  size_t text_sent = 0;         // bytes of `text` already delivered
+  std::string text;      // output text decoded so far
+  size_t text_sent = 0;  // bytes of `text` already delivered
   int outputs() const { return static_cast<int>(tokens.size()) - prompt_len; }
 };
 
 class ModelEngine final : public Engine {
  public:
   ModelEngine(ModelEngineParts parts, const ModelEngineOptions& options, ModelInfo info)
-      : parts_(std::move(parts)), options_(options), info_(std::move(info)),
+      : parts_(std::move(parts)),
+        options_(options),
+        info_(std::move(info)),
         seed_rng_(options.seed) {}
 
   absl::Status Init();
@@ -115,16 +117,16 @@ absl::Status ModelEngine::Init() {
       CpuExpertBackend::DefaultOptions(options_.deterministic, parts_.f32_expert_activations),
       pool_.get());
   if (static_cast<int>(parts_.banks.size()) != c.NumMoeLayers()) {
-    return absl::InvalidArgumentError(absl::StrCat(parts_.banks.size(), " expert banks for ",
-                                                   c.NumMoeLayers(), " MoE layers"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(parts_.banks.size(), " expert banks for ", c.NumMoeLayers(), " MoE layers"));
   }
   ASSIGN_OR_RETURN(model_, Model::Create(parts_.weights, backend_.get(), pool_.get(),
                                          options_.deterministic, info_.max_context));
   const int bs = options_.kv_block_size;
   const int per_seq = (info_.max_context + bs - 1) / bs;
   int blocks = options_.kv_blocks;
-  const uint64_t block_bytes = 2ull * c.num_hidden_layers * c.num_key_value_heads * bs *
-                               c.head_dim * sizeof(float);
+  const uint64_t block_bytes =
+      2ull * c.num_hidden_layers * c.num_key_value_heads * bs * c.head_dim * sizeof(float);
   if (blocks == 0) {
     uint64_t want = static_cast<uint64_t>(per_seq) * options_.max_batch;
     const uint64_t pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
@@ -136,8 +138,8 @@ absl::Status ModelEngine::Init() {
         "kv_blocks ", blocks, " of ", bs, " tokens cannot hold one sequence of max_context ",
         info_.max_context, " (needs ", per_seq, ")"));
   }
-  ASSIGN_OR_RETURN(kv_, KvCache::Create(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                                        bs, blocks));
+  ASSIGN_OR_RETURN(
+      kv_, KvCache::Create(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, bs, blocks));
   absl::MutexLock lock(&mu_);
   stats_.kv_blocks_total = blocks;
   uint64_t weight_bytes = 0;
@@ -244,8 +246,8 @@ void ModelEngine::AddText(Sequence& s, int32_t id) {
 
 bool ModelEngine::Start(Sequence& s) {
   s.started = true;
-  s.sampler = std::make_unique<SequenceSampler>(s.request.sampling, s.seed,
-                                                absl::MakeConstSpan(s.tokens));
+  s.sampler =
+      std::make_unique<SequenceSampler>(s.request.sampling, s.seed, absl::MakeConstSpan(s.tokens));
   if (parts_.tokenizer != nullptr) {
     s.decoder = std::make_unique<tokenizer::IncrementalDecoder>(*parts_.tokenizer,
                                                                 /*skip_special_tokens=*/true);
@@ -337,9 +339,8 @@ void ModelEngine::Append(Sequence& s, const SampleResult& r) {
 }
 
 void ModelEngine::PreemptNewest() {
-  auto newest = std::max_element(
-      running_.begin(), running_.end(),
-      [](const auto& a, const auto& b) { return a->id < b->id; });
+  auto newest = std::max_element(running_.begin(), running_.end(),
+                                 [](const auto& a, const auto& b) { return a->id < b->id; });
   std::unique_ptr<Sequence> s = std::move(*newest);
   running_.erase(newest);
   kv_->Free(&s->blocks);
@@ -390,8 +391,8 @@ absl::Status ModelEngine::Step() {
   std::vector<int> counts;
   for (size_t i = 0; i < running_.size();) {
     Sequence& s = *running_[i];
-    const int n = std::min<int>(options_.prefill_chunk,
-                                static_cast<int>(s.tokens.size()) - s.num_computed);
+    const int n =
+        std::min<int>(options_.prefill_chunk, static_cast<int>(s.tokens.size()) - s.num_computed);
     const int need = (s.num_computed + n + kv_->block_size() - 1) / kv_->block_size() -
                      static_cast<int>(s.blocks.size());
     if (need <= 0 || kv_->Allocate(need, &s.blocks)) {
@@ -401,8 +402,8 @@ absl::Status ModelEngine::Step() {
       continue;
     }
     const uint64_t id = s.id;
-    const bool self_newest = std::all_of(running_.begin(), running_.end(),
-                                         [&](const auto& o) { return o->id <= id; });
+    const bool self_newest =
+        std::all_of(running_.begin(), running_.end(), [&](const auto& o) { return o->id <= id; });
     // Sequences planned earlier are older than s, so the newest is s or not yet planned.
     PreemptNewest();
     if (self_newest) continue;  // s itself went back; index i now holds the next one
@@ -440,16 +441,16 @@ absl::Status ModelEngine::Step() {
     for (size_t i = 0; i < sampled.size(); ++i) {
       Sequence& s = *sampled[i];
       const SamplingParams& sp = s.request.sampling;
-      SampleResult r = s.sampler->Sample(
-          absl::MakeConstSpan(logits.data() + i * static_cast<size_t>(V), V),
-          sp.logprobs || sp.top_logprobs > 0, sp.top_logprobs);
+      SampleResult r =
+          s.sampler->Sample(absl::MakeConstSpan(logits.data() + i * static_cast<size_t>(V), V),
+                            sp.logprobs || sp.top_logprobs > 0, sp.top_logprobs);
       ++delta.decode_tokens;
       Append(s, r);
     }
     // Drop finished sequences (their blocks were freed with their final event).
-    running_.erase(std::remove_if(running_.begin(), running_.end(),
-                                  [](const auto& s) { return s->finished; }),
-                   running_.end());
+    running_.erase(
+        std::remove_if(running_.begin(), running_.end(), [](const auto& s) { return s->finished; }),
+        running_.end());
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     (prefill ? delta.prefill_seconds : delta.decode_seconds) = secs;
@@ -484,10 +485,9 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateModelEngineFromParts(
   if (options.max_batch < 1 || options.prefill_chunk < 1 || options.kv_block_size < 1 ||
       options.kv_blocks < 0 || options.max_context < 0 || options.threads < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "engine options: max_batch ", options.max_batch, ", prefill_chunk ",
-        options.prefill_chunk, ", kv_block_size ", options.kv_block_size,
-        " must be >= 1; kv_blocks ", options.kv_blocks, ", max_context ",
-        options.max_context, ", threads ", options.threads, " >= 0"));
+        "engine options: max_batch ", options.max_batch, ", prefill_chunk ", options.prefill_chunk,
+        ", kv_block_size ", options.kv_block_size, " must be >= 1; kv_blocks ", options.kv_blocks,
+        ", max_context ", options.max_context, ", threads ", options.threads, " >= 0"));
   }
   const ModelConfig& c = parts.weights->config;
   ModelInfo info;
@@ -496,9 +496,9 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateModelEngineFromParts(
   info.vocab_size = c.vocab_size;
   info.max_context = DefaultMaxContext(c, options.max_context);
   if (c.max_position_embeddings > 0 && info.max_context > c.max_position_embeddings) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_context ", info.max_context, " exceeds the model's ",
-                     c.max_position_embeddings, " positions"));
+    return absl::InvalidArgumentError(absl::StrCat("max_context ", info.max_context,
+                                                   " exceeds the model's ",
+                                                   c.max_position_embeddings, " positions"));
   }
   info.eos_token_ids = c.eos_token_ids;
   info.num_layers = c.num_hidden_layers;

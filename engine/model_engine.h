@@ -28,8 +28,8 @@ struct ModelEngineOptions {
   std::string model_dir;
   // Format the routed experts are held in: "bf16", "fp8_block", "q4_0", "nvfp4", "mxfp4".
   std::string expert_format = "bf16";
-  int threads = 0;      // worker threads; 0: the machine's physical cores
-  int max_batch = 64;   // sequences per step (prefilling and decoding together)
+  int threads = 0;     // worker threads; 0: the machine's physical cores
+  int max_batch = 64;  // sequences per step (prefilling and decoding together)
   // Tokens one sequence may hold (prompt + output); 0: min(max_position_embeddings, 4096).
   int max_context = 0;
   int kv_block_size = 16;  // tokens per KV block

@@ -70,7 +70,8 @@ std::string ByteLevelTokenizerJson() {
     "decoder":{"type":"ByteLevel","add_prefix_space":true,"trim_offsets":true,"use_regex":true},
     "model":{"type":"BPE","dropout":null,"unk_token":null,"continuing_subword_prefix":null,
       "end_of_word_suffix":null,"fuse_unk":false,"byte_fallback":false,"ignore_merges":false,
-      "vocab":{)" + vocab + R"(},"merges":[]}})";
+      "vocab":{)" +
+         vocab + R"(},"merges":[]}})";
 }
 
 std::unique_ptr<Engine> MakeEngine(ModelEngineOptions o, bool with_tokenizer = false,
@@ -107,8 +108,8 @@ struct Result {
   int finals = 0;
 };
 
-GenerationRequest Request(std::vector<int32_t> prompt, int max_tokens, std::map<uint64_t, Result>* out,
-                          uint64_t* id_slot) {
+GenerationRequest Request(std::vector<int32_t> prompt, int max_tokens,
+                          std::map<uint64_t, Result>* out, uint64_t* id_slot) {
   GenerationRequest r;
   r.prompt_ids = std::move(prompt);
   r.sampling.max_tokens = max_tokens;
@@ -248,7 +249,7 @@ TEST(ModelEngineTest, ReusedKvBlocksLeaveNoTrace) {
   b.sampling.logprobs = true;
   const auto fresh = Solo(o, {b});
   auto e = MakeEngine(o);
-  Batched(*e, {a});  // fills blocks, then frees them
+  Batched(*e, {a});                      // fills blocks, then frees them
   const auto reused = Batched(*e, {b});  // takes the same (lowest) blocks
   ExpectSame(fresh, reused);
 }
@@ -348,8 +349,7 @@ TEST(ModelEngineTest, EosFinishesWithStopUnlessIgnored) {
   size_t first = 0;
   while (toks[first] != toks[2]) ++first;
   EXPECT_EQ(res2[*id2].reason, FinishReason::kStop);
-  EXPECT_EQ(res2[*id2].tokens,
-            std::vector<int32_t>(toks.begin(), toks.begin() + first + 1));
+  EXPECT_EQ(res2[*id2].tokens, std::vector<int32_t>(toks.begin(), toks.begin() + first + 1));
 }
 
 // The fast mode (batched oneDNN dense layers, cpu_moe's batch-dependent paths) differs from the

@@ -97,8 +97,7 @@ struct Fixture {
     EXPECT_TRUE(m.ok()) << m.status();
     rm = std::move(*m);
     backend = std::make_unique<CpuExpertBackend>(
-        rm.banks, CpuExpertBackend::DefaultOptions(deterministic, /*f32_activations=*/true),
-        &pool);
+        rm.banks, CpuExpertBackend::DefaultOptions(deterministic, /*f32_activations=*/true), &pool);
     auto md = Model::Create(rm.weights.get(), backend.get(), &pool, deterministic,
                             c.max_position_embeddings);
     EXPECT_TRUE(md.ok()) << md.status();
@@ -134,8 +133,7 @@ void CheckAgainstReference(const ModelConfig& c) {
   chunks.clear();
   for (size_t s = 0; s < seqs.size(); ++s) {
     next[s] = {static_cast<int32_t>((s * 13 + 5) % V)};
-    chunks.push_back({next[s], static_cast<int>(seqs[s].size()), &tables[s],
-                      Model::Logits::kLast});
+    chunks.push_back({next[s], static_cast<int>(seqs[s].size()), &tables[s], Model::Logits::kLast});
   }
   logits.clear();
   ASSERT_TRUE(f.model->Forward(chunks, f.kv.get(), &logits).ok());
@@ -178,15 +176,15 @@ TEST(ModelTest, DeterministicModeIsIndependentOfTheBatch) {
   Model::Chunk ca{a, 0, &ta, Model::Logits::kAll};
   ASSERT_TRUE(f.model->Forward({&ca, 1}, f.kv.get(), &solo).ok());
   // Same sequence in other blocks, in two chunks, beside others.
-  std::vector<Model::Chunk> first = {{b, 0, &tb, Model::Logits::kAll},
-                                     {absl::MakeConstSpan(a).subspan(0, 4), 0, &td,
-                                      Model::Logits::kAll}};
+  std::vector<Model::Chunk> first = {
+      {b, 0, &tb, Model::Logits::kAll},
+      {absl::MakeConstSpan(a).subspan(0, 4), 0, &td, Model::Logits::kAll}};
   ASSERT_TRUE(f.model->Forward(first, f.kv.get(), &batched).ok());
   std::vector<int32_t> te;
   ASSERT_TRUE(f.kv->Allocate(2, &te));
-  std::vector<Model::Chunk> second = {{d, 0, &te, Model::Logits::kAll},
-                                      {absl::MakeConstSpan(a).subspan(4), 4, &td,
-                                       Model::Logits::kAll}};
+  std::vector<Model::Chunk> second = {
+      {d, 0, &te, Model::Logits::kAll},
+      {absl::MakeConstSpan(a).subspan(4), 4, &td, Model::Logits::kAll}};
   ASSERT_TRUE(f.model->Forward(second, f.kv.get(), &batched).ok());
   // batched: b (14 rows), a[0:4], d (6 rows), a[4:9]
   std::vector<float> a_rows(batched.begin() + 14 * V, batched.begin() + 18 * V);

@@ -87,7 +87,8 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
   } else if (major == 2 || major == 3) {
     if (bytes.size() < 12) return Bad(path, "header");
     header_len = 0;
-    for (int i = 0; i < 4; ++i) header_len |= static_cast<size_t>(static_cast<unsigned char>(bytes[8 + i])) << (8 * i);
+    for (int i = 0; i < 4; ++i)
+      header_len |= static_cast<size_t>(static_cast<unsigned char>(bytes[8 + i])) << (8 * i);
     offset = 12;
   } else {
     return Bad(path, absl::StrCat("version ", major));
@@ -131,8 +132,8 @@ absl::Status WriteNpyFloat32(const std::string& path, const std::vector<int64_t>
     n *= d;
   }
   if (shape.size() > 1) dims.pop_back();
-  std::string header = absl::StrCat("{'descr': '<f4', 'fortran_order': False, 'shape': (", dims,
-                                     "), }");
+  std::string header =
+      absl::StrCat("{'descr': '<f4', 'fortran_order': False, 'shape': (", dims, "), }");
   // Pad so that the data starts on a 64-byte boundary; the header ends with '\n'.
   const size_t total = 10 + header.size() + 1;
   header.append((64 - total % 64) % 64, ' ');

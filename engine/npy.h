@@ -14,9 +14,9 @@
 namespace moe::engine {
 
 struct NpyArray {
-  std::string dtype;            // "<i4", "<i8", "<f4"
+  std::string dtype;  // "<i4", "<i8", "<f4"
   std::vector<int64_t> shape;
-  std::vector<uint8_t> data;    // C order
+  std::vector<uint8_t> data;  // C order
   int64_t numel() const;
   // Elements converted (int64 ids must fit int32); InvalidArgument for another dtype.
   absl::StatusOr<std::vector<int32_t>> AsInt32() const;

@@ -90,8 +90,8 @@ absl::StatusOr<RandomModel> MakeRandomModel(const ModelConfig& c,
     lw.q_proj = MakeTensor(dd, nh * hd, H, fill, in_h, 0.0f);
     lw.k_proj = MakeTensor(dd, nkv * hd, H, fill, in_h, 0.0f);
     lw.v_proj = MakeTensor(dd, nkv * hd, H, fill, in_h, 0.0f);
-    lw.o_proj = MakeTensor(dd, H, nh * hd, fill, 1.0f / std::sqrt(static_cast<float>(nh * hd)),
-                           0.0f);
+    lw.o_proj =
+        MakeTensor(dd, H, nh * hd, fill, 1.0f / std::sqrt(static_cast<float>(nh * hd)), 0.0f);
     if (c.attention_bias) {
       lw.q_bias = MakeTensor(DType::kF32, 1, nh * hd, fill, 0.2f, 0.0f);
       lw.k_bias = MakeTensor(DType::kF32, 1, nkv * hd, fill, 0.2f, 0.0f);
@@ -109,16 +109,15 @@ absl::StatusOr<RandomModel> MakeRandomModel(const ModelConfig& c,
         const int S = c.shared_expert_intermediate_size;
         lw.shared_gate_proj = MakeTensor(dd, S, H, fill, in_h, 0.0f);
         lw.shared_up_proj = MakeTensor(dd, S, H, fill, in_h, 0.0f);
-        lw.shared_down_proj = MakeTensor(dd, H, S, fill, 1.0f / std::sqrt(static_cast<float>(S)),
-                                         0.0f);
+        lw.shared_down_proj =
+            MakeTensor(dd, H, S, fill, 1.0f / std::sqrt(static_cast<float>(S)), 0.0f);
         lw.shared_expert_gate = MakeTensor(dd, 1, H, fill, in_h, 0.0f);
       }
     } else {
       const int D = c.intermediate_size;
       lw.mlp_gate_proj = MakeTensor(dd, D, H, fill, in_h, 0.0f);
       lw.mlp_up_proj = MakeTensor(dd, D, H, fill, in_h, 0.0f);
-      lw.mlp_down_proj =
-          MakeTensor(dd, H, D, fill, 1.0f / std::sqrt(static_cast<float>(D)), 0.0f);
+      lw.mlp_down_proj = MakeTensor(dd, H, D, fill, 1.0f / std::sqrt(static_cast<float>(D)), 0.0f);
     }
   }
 

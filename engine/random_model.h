@@ -36,8 +36,8 @@ struct RandomModelOptions {
   DType dense_dtype = DType::kF32;
   common::WeightFormat expert_format = common::WeightFormat::kBf16;
   uint64_t seed = 1;
-  bool fast_fill = false;   // see above
-  int distinct_experts = 4;  // with fast_fill
+  bool fast_fill = false;              // see above
+  int distinct_experts = 4;            // with fast_fill
   common::ThreadPool* pool = nullptr;  // optional, for fast_fill copies and panel packing
 };
 

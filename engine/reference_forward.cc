@@ -85,8 +85,7 @@ void Rope(const ModelConfig& c, Vec* inv_freq, double* attention) {
 
 }  // namespace
 
-std::vector<double> ReferenceForward(const RandomModel& model,
-                                     const std::vector<int32_t>& tokens) {
+std::vector<double> ReferenceForward(const RandomModel& model, const std::vector<int32_t>& tokens) {
   const ModelWeights& w = *model.weights;
   const ModelConfig& c = w.config;
   const int T = static_cast<int>(tokens.size());

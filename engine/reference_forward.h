@@ -15,8 +15,7 @@
 namespace moe::engine {
 
 // Teacher-forced logits [tokens.size(), vocab] of one sequence starting at position 0.
-std::vector<double> ReferenceForward(const RandomModel& model,
-                                     const std::vector<int32_t>& tokens);
+std::vector<double> ReferenceForward(const RandomModel& model, const std::vector<int32_t>& tokens);
 
 }  // namespace moe::engine
 

@@ -49,9 +49,9 @@ absl::StatusOr<RopeParams> ComputeRopeParams(const ModelConfig& config) {
     return p;
   }
   if (type != "yarn") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rope_scaling type '", type, "' is not supported (default, linear, "
-                     "dynamic, yarn)"));
+    return absl::InvalidArgumentError(absl::StrCat("rope_scaling type '", type,
+                                                   "' is not supported (default, linear, "
+                                                   "dynamic, yarn)"));
   }
   double factor = rs.factor;
   int original_max = config.max_position_embeddings;
@@ -61,9 +61,9 @@ absl::StatusOr<RopeParams> ComputeRopeParams(const ModelConfig& config) {
     factor = static_cast<double>(config.max_position_embeddings) / original_max;
   }
   if (!(factor > 0) || original_max <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("yarn rope_scaling: factor ", factor, " and original max positions ",
-                     original_max, " must be > 0"));
+    return absl::InvalidArgumentError(absl::StrCat("yarn rope_scaling: factor ", factor,
+                                                   " and original max positions ", original_max,
+                                                   " must be > 0"));
   }
   double attention_factor = rs.attention_factor;
   if (attention_factor <= 0) {
@@ -90,8 +90,8 @@ absl::StatusOr<RopeParams> ComputeRopeParams(const ModelConfig& config) {
     const float interpolation = 1.0f / (static_cast<float>(factor) * pos_freqs[i]);
     const float ramp = std::clamp((static_cast<float>(i) - lo) / (hi - lo), 0.0f, 1.0f);
     const float extrapolation_factor = 1.0f - ramp;
-    p.inv_freq[i] = interpolation * (1.0f - extrapolation_factor) +
-                    extrapolation * extrapolation_factor;
+    p.inv_freq[i] =
+        interpolation * (1.0f - extrapolation_factor) + extrapolation * extrapolation_factor;
   }
   p.attention_factor = static_cast<float>(attention_factor);
   return p;

@@ -13,7 +13,7 @@
 namespace moe::engine {
 
 struct RopeParams {
-  std::vector<float> inv_freq;  // [head_dim / 2]
+  std::vector<float> inv_freq;    // [head_dim / 2]
   float attention_factor = 1.0f;  // multiplies cos and sin
 };
 

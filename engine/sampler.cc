@@ -157,8 +157,8 @@ SampleResult SequenceSampler::Sample(absl::Span<const float> logits, bool want_l
                                      int top_n) {
   SampleResult result;
   if (params_.temperature == 0.0f) {
-    const bool penalized = params_.repetition_penalty != 1.0f ||
-                           params_.presence_penalty != 0.0f || params_.frequency_penalty != 0.0f;
+    const bool penalized = params_.repetition_penalty != 1.0f || params_.presence_penalty != 0.0f ||
+                           params_.frequency_penalty != 0.0f;
     result.token = penalized ? ArgMax(Penalized(logits)) : ArgMax(logits);
   } else {
     const std::vector<double> p = FilteredProbs(logits);
@@ -176,7 +176,7 @@ SampleResult SequenceSampler::Sample(absl::Span<const float> logits, bool want_l
         break;
       }
     }
-    if (result.token < 0) result.token = last_nonzero;  // u past the rounded total
+    if (result.token < 0) result.token = last_nonzero;    // u past the rounded total
     if (result.token < 0) result.token = ArgMax(logits);  // every probability underflowed
   }
   if (want_logprobs) {

@@ -34,8 +34,8 @@ class Rng {
 
 struct SampleResult {
   int32_t token = -1;
-  float logprob = 0.0f;               // of `token` under the model's raw distribution
-  std::vector<TopLogprob> top;        // the n most likely tokens under that distribution
+  float logprob = 0.0f;         // of `token` under the model's raw distribution
+  std::vector<TopLogprob> top;  // the n most likely tokens under that distribution
 };
 
 class SequenceSampler {

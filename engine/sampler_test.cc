@@ -11,9 +11,7 @@
 namespace moe::engine {
 namespace {
 
-std::vector<float> Logits() {
-  return {1.0f, 3.0f, -2.0f, 0.5f, 2.5f, 2.9f, -1.0f, 0.0f};
-}
+std::vector<float> Logits() { return {1.0f, 3.0f, -2.0f, 0.5f, 2.5f, 2.9f, -1.0f, 0.0f}; }
 
 std::vector<double> Softmax(const std::vector<double>& l) {
   double m = *std::max_element(l.begin(), l.end()), s = 0;

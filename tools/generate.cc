@@ -79,8 +79,8 @@ absl::Status DumpLogits(const ModelEngineOptions& options) {
   }
   std::vector<float> logits;
   RETURN_IF_ERROR(model->Forward(chunks, kv.get(), &logits));
-  RETURN_IF_ERROR(WriteNpyFloat32(absl::GetFlag(FLAGS_dump_logits), {batch, len, c.vocab_size},
-                                  logits.data()));
+  RETURN_IF_ERROR(
+      WriteNpyFloat32(absl::GetFlag(FLAGS_dump_logits), {batch, len, c.vocab_size}, logits.data()));
   std::fprintf(stderr, "wrote [%d, %d, %d] logits to %s\n", batch, len, c.vocab_size,
                absl::GetFlag(FLAGS_dump_logits).c_str());
   return absl::OkStatus();
