@@ -675,6 +675,13 @@ class Context {
   void Push() { scopes_.emplace_back(); }
   void Pop() { scopes_.pop_back(); }
   int depth = 0;  // macro call depth, bounded against runaway recursion
+  // Loop iterations and macro calls so far: a template (it comes with the model files) must not
+  // be able to hang a server, so rendering stops with an error past kMaxSteps.
+  int64_t steps = 0;
+  static constexpr int64_t kMaxSteps = 1'000'000;
+  void Step(int line) {
+    if (++steps > kMaxSteps) Fail(line, "template too expensive (more than 1M loop iterations)");
+  }
 
  private:
   std::vector<std::map<std::string, Value>> scopes_;
@@ -936,6 +943,10 @@ Value Arith(const std::string& op, const Value& a, const Value& b, int line) {
   if (op == "*") {
     if ((x.is_string() || x.is_array()) && (y.is_number_integer() || y.is_boolean())) {
       const int64_t n = as_int(y);
+      const size_t unit = x.is_string() ? x.get_ref<const std::string&>().size() : x.size();
+      if (n > 0 && unit > 0 && static_cast<uint64_t>(n) > (64u << 20) / unit) {
+        Fail(line, "repetition result too large");
+      }
       if (x.is_string()) {
         std::string out;
         for (int64_t i = 0; i < n; ++i) out += x.get_ref<const std::string&>();
@@ -1057,7 +1068,12 @@ struct ForStmt : Stmt {
     if (items.empty()) return ExecBody(else_body, ctx, out);
     const int64_t n = static_cast<int64_t>(items.size());
     for (int64_t i = 0; i < n; ++i) {
+      ctx.Step(line);
       Bind(ctx, items[i]);
+      if (!uses_loop) {
+        if (ExecBody(body, ctx, out) == Flow::kBreak) break;
+        continue;
+      }
       Json loop = {
           {"index", i + 1},  {"index0", i},        {"revindex", n - i}, {"revindex0", n - i - 1},
           {"first", i == 0}, {"last", i == n - 1}, {"length", n},       {"depth", 1},
@@ -1084,6 +1100,7 @@ struct ForStmt : Stmt {
   std::vector<std::string> targets;
   ExprPtr iter, filter;
   Body body, else_body;
+  bool uses_loop = true;  // false when nothing inside names `loop`: skip building it
 };
 
 struct SetStmt : Stmt {
@@ -1147,6 +1164,7 @@ struct MacroStmt : Stmt {
     const MacroDef* m = def.get();
     ctx.Set(m->name, Value::Func(m->name, [m](Args& args, Context& c, int line) -> Value {
               if (++c.depth > 64) Fail(line, "macro recursion too deep");
+              c.Step(line);
               ScopeGuard scope(c);
               if (args.pos.size() > m->params.size())
                 Fail(line, absl::StrCat("too many arguments to macro ", m->name));
@@ -1253,6 +1271,7 @@ class Parser {
   std::string CurrentTag() const { return pieces_[at_].tokens[0].text; }
 
   StmtPtr ParseStatement(Piece& p) {
+    NestingGuard guard(this);
     StartTokens(p);
     const int line = p.line;
     const std::string tag = Next().text;
@@ -1297,6 +1316,7 @@ class Parser {
       if (PeekName("recursive")) Fail(line, "unsupported construct: recursive for loop");
       ExpectEnd();
       ++at_;
+      s->uses_loop = BodyMentionsLoop();
       s->body = ParseBody({"else", "endfor"});
       if (CurrentTag() == "else") {
         Close("else");
@@ -1368,6 +1388,24 @@ class Parser {
     Fail(line, absl::StrCat("unsupported construct: {% ", tag, " %}"));
   }
 
+  // Whether any tag between here and the matching endfor uses the name `loop` (then the loop
+  // object is built on each iteration; most loops never read it).
+  bool BodyMentionsLoop() const {
+    int depth = 0;
+    for (size_t i = at_; i < pieces_.size(); ++i) {
+      const Piece& p = pieces_[i];
+      if (p.type == Piece::Type::kText || p.tokens.empty()) continue;
+      if (p.type == Piece::Type::kStmt && p.tokens[0].type == Token::Type::kName) {
+        if (p.tokens[0].text == "for") ++depth;
+        if (p.tokens[0].text == "endfor" && depth-- == 0) return false;
+      }
+      for (const Token& t : p.tokens) {
+        if (t.type == Token::Type::kName && t.text == "loop") return true;
+      }
+    }
+    return false;
+  }
+
   // --- token cursor over one tag ---
   void StartTokens(Piece& p) {
     toks_ = &p.tokens;
@@ -1429,7 +1467,18 @@ class Parser {
     return list;
   }
 
+  // Nesting bound: templates come with model files, and a deeply nested one must be an error,
+  // not a stack overflow.
+  struct NestingGuard {
+    explicit NestingGuard(Parser* p) : parser(p) {
+      if (++parser->nesting_ > 200) Fail(parser->Line(), "template nested too deeply");
+    }
+    ~NestingGuard() { --parser->nesting_; }
+    Parser* parser;
+  };
+
   ExprPtr ParseOr(bool allow_ternary_if) {
+    NestingGuard guard(this);
     ExprPtr left = ParseAnd();
     while (PeekName("or")) {
       const int line = Line();
@@ -1735,6 +1784,7 @@ class Parser {
   }
 
   std::vector<Piece> pieces_;
+  int nesting_ = 0;
   size_t at_ = 0;
   std::vector<Token>* toks_ = nullptr;
   size_t tok_ = 0;

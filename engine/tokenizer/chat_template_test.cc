@@ -368,6 +368,24 @@ TEST(ChatTemplateTest, UnsupportedConstructsAreErrorsNamingTheLine) {
     EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(t.status().message().find(needle), std::string::npos) << t.status();
   }
+  // Templates come with model files: hostile ones are errors, not crashes or hangs.
+  EXPECT_EQ(ChatTemplate::FromSource("{{ " + std::string(5000, '(') + "1" + std::string(5000, ')') +
+                                     " }}")
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  std::string nested;
+  for (int i = 0; i < 1000; ++i) nested += "{% if true %}";
+  EXPECT_EQ(ChatTemplate::FromSource(nested).status().code(), absl::StatusCode::kInvalidArgument);
+  for (const char* hostile :
+       {"{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "{{ 'x' * 1000000000 }}", "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}"}) {
+    auto h = ChatTemplate::FromSource(hostile);
+    ASSERT_TRUE(h.ok()) << hostile;
+    auto r = (*h)->Render(ChatTemplateInputs());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << hostile;
+  }
+
   auto t = ChatTemplate::FromSource("a\n{{ raise_exception('no tools allowed') }}");
   ASSERT_TRUE(t.ok());
   auto r = (*t)->Render(ChatTemplateInputs());
