@@ -444,7 +444,9 @@ absl::Status ModelEngine::Step() {
       SampleResult r =
           s.sampler->Sample(absl::MakeConstSpan(logits.data() + i * static_cast<size_t>(V), V),
                             sp.logprobs || sp.top_logprobs > 0, sp.top_logprobs);
-      ++delta.decode_tokens;
+      // Decode tokens: those sampled after a one-token step of an output position (the first
+      // token, sampled at the end of the prompt's prefill, counts as prefill's).
+      if (s.num_computed > s.prompt_len) ++delta.decode_tokens;
       Append(s, r);
     }
     // Drop finished sequences (their blocks were freed with their final event).
