@@ -12,6 +12,9 @@ argmax agrees, and exits 1 when a row's ratio exceeds --tol (default 1e-4: float
 --dense_f32; use about 2e-2 for bf16 dense weights or experts, more for fp8/fp4 experts).
 transformers runs in float32 with eager attention on --device (cpu by default; a 30B checkpoint
 needs about 4 bytes per parameter of memory there). numpy is the only other requirement.
+--backend torch (the default where transformers is not installed) runs qwen_torch.py, a PyTorch
+implementation of transformers' qwen3_moe / qwen2_moe modeling code, in float64 (8 bytes per
+parameter; FP8 checkpoints are not read there), instead of transformers.
 """
 import argparse
 import sys
@@ -43,6 +46,17 @@ def hf_logits(model_dir, ids, device):
     return np.stack(out)
 
 
+def torch_logits(model_dir, ids):
+    import os
+    import torch
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import qwen_torch
+    model = qwen_torch.load_model(model_dir, torch.float64)
+    with torch.no_grad():
+        return np.stack([model(torch.as_tensor(row[None, :].astype(np.int64)))[0][0].float().numpy()
+                         for row in ids])
+
+
 def compare(args):
     ids = np.load(args.input_ids)
     if ids.ndim == 1:
@@ -56,6 +70,8 @@ def compare(args):
         want = np.load(args.reference).astype(np.float32)
         if want.ndim == 2:
             want = want[None]
+    elif args.model and args.backend == "torch":
+        want = torch_logits(args.model, ids)
     elif args.model:
         want = hf_logits(args.model, ids, args.device)
     else:
@@ -91,11 +107,17 @@ def main():
     c.add_argument("--model", help="HF model folder to run with transformers")
     c.add_argument("--reference", help="reference logits .npy instead of running transformers")
     c.add_argument("--device", default="cpu")
+    c.add_argument("--backend", choices=["hf", "torch"], default=None,
+                   help="with --model: hf runs transformers, torch runs qwen_torch.py in float64 "
+                        "(default when transformers is absent)")
     c.add_argument("--tol", type=float, default=1e-4)
     args = ap.parse_args()
     if args.cmd == "make-ids":
         make_ids(args)
         return 0
+    if args.backend is None:
+        import importlib.util
+        args.backend = "hf" if importlib.util.find_spec("transformers") else "torch"
     return compare(args)
 
 

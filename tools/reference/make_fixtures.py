@@ -12,8 +12,12 @@ expert and attention projections as float8_e4m3fn with a float32 (bf16-exact) we
 128x128 block; its reference is transformers running the DEQUANTIZED weights (fp8 * scale_inv) in
 float32, while the engine computes with the fp8 weights and bf16/f32 activations.
 
+With --backend torch (the default where transformers is not installed) the same numbers come
+from qwen_torch.py, a PyTorch implementation of transformers' modeling code, run in float64.
+
 Usage (see tools/reference/README.md):
-  python3 tools/reference/make_fixtures.py --out engine/testdata            # needs transformers
+  python3 tools/reference/make_fixtures.py --out engine/testdata --backend hf     # transformers
+  /usr/bin/python3 tools/reference/make_fixtures.py --out engine/testdata --backend torch
   python3 tools/reference/make_fixtures.py --out /tmp/fx --no-hf           # files only, no logits
 """
 import argparse
@@ -298,7 +302,85 @@ def hf_reference(case, folder, ref_folder, prompts, log):
     return ref, logits
 
 
-def build_case(case, out_root, use_hf, log):
+def torch_reference(case, config, ref_weights, prompts, log):
+    """hf_reference() computed with qwen_torch (transformers' modeling code in PyTorch) in float64
+    from the float32 reference weights; logits stored as float32. Greedy continuations are the
+    argmax of a full forward (no KV cache) at each step."""
+    import torch
+    import qwen_torch
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_config = dict(config)
+        ref_config.pop("quantization_config", None)
+        write_json(os.path.join(tmp, "config.json"), ref_config)
+        model = qwen_torch.load_model(tmp, torch.float64, tensors=ref_weights)
+    emb = model.model.embed_tokens.weight.detach().numpy()
+    want = hfio.bf16_round(np.random.default_rng(case["seed"]).standard_normal((case["vocab"], case["hidden"])))
+    if not np.array_equal(emb, want):
+        raise RuntimeError(f"{case['name']}: the loaded embedding differs from the checkpoint")
+
+    def forward(ids):
+        with torch.no_grad():
+            return model(torch.tensor([ids], dtype=torch.long))[0][0].numpy()
+
+    logits = [np.ascontiguousarray(forward(p), dtype=np.float32) for p in prompts]
+    greedy = []
+    for i, p in enumerate(prompts):
+        out = qwen_torch.greedy(model, p, GREEDY_TOKENS)
+        # Cross-check against one teacher-forced pass over prompt + output: same argmax.
+        steps = forward(p + out)[len(p) - 1:len(p) - 1 + GREEDY_TOKENS]
+        argmax = [int(t) for t in steps.argmax(-1)]
+        top2 = np.sort(steps, axis=-1)[:, -2:]
+        margin = float(np.min(top2[:, 1] - top2[:, 0]))
+        log(f"  prompt {i} (len {len(p)}): greedy {out} min top-2 margin {margin:.4g}"
+            + ("" if argmax == out else f"  MISMATCH with full pass {argmax}"))
+        greedy.append(dict(prompt=p, output=out, margin=margin, consistent=argmax == out))
+    candidates = sorted([g for g in greedy if g["consistent"]], key=lambda g: -g["margin"])[:2]
+    if len(candidates) < 2:
+        raise RuntimeError(f"{case['name']}: fewer than 2 prompts have a consistent greedy output")
+    candidates.sort(key=lambda g: prompts.index(g["prompt"]))
+    ref = {
+        "prompts": prompts,
+        "greedy": [dict(prompt=g["prompt"], output=g["output"]) for g in candidates],
+        "dtype": case["dtype"],
+        "backend": "torch",
+        "torch": torch.__version__,
+        "notes": case["notes"] + (" Logits: tools/reference/qwen_torch.py, a PyTorch implementation of "
+                                  "transformers' {} modeling code (eager attention), torch {} on the CPU in "
+                                  "float64 from the float32 weights, stored as float32, one prompt per forward; "
+                                  "make_fixtures.py --backend hf reproduces them with transformers itself. "
+                                  "Greedy: argmax of a full forward at each step (no EOS), min top-2 logit "
+                                  "margin {:.3g}.").format(case["model_type"], torch.__version__,
+                                                           min(g["margin"] for g in candidates)),
+    }
+    return ref, logits
+
+
+def transformers5_config(config):
+    """config.json as transformers 5's save_pretrained writes a Qwen2MoeConfig (to_diff_dict:
+    the keys that differ from the class defaults, RoPE as rope_parameters, dtype for torch_dtype,
+    layer_types), for the torch backend, which cannot call transformers."""
+    assert config["model_type"] == "qwen2_moe"
+    defaults = dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                    num_attention_heads=16, num_key_value_heads=16, hidden_act="silu",
+                    max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6, use_cache=True,
+                    tie_word_embeddings=False, use_sliding_window=False, max_window_layers=28,
+                    attention_dropout=0.0, decoder_sparse_step=1, moe_intermediate_size=1408,
+                    shared_expert_intermediate_size=5632, num_experts_per_tok=4, num_experts=60,
+                    norm_topk_prob=False, output_router_logits=False, router_aux_loss_coef=0.001,
+                    mlp_only_layers=[], qkv_bias=True)
+    out = {"architectures": config["architectures"], "model_type": config["model_type"],
+           "dtype": config["torch_dtype"]}
+    for k, v in config.items():
+        if k in defaults and defaults[k] != v:
+            out[k] = v
+    out["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    out["rope_parameters"] = {"rope_theta": config["rope_theta"], "rope_type": "default"}
+    return dict(sorted(out.items()))
+
+
+def build_case(case, out_root, use_hf, log, backend="hf"):
     folder = os.path.join(out_root, case["name"])
     if os.path.isdir(folder):
         shutil.rmtree(folder)
@@ -315,6 +397,15 @@ def build_case(case, out_root, use_hf, log):
     if not use_hf:
         write_json(os.path.join(folder, "reference.json"), {"prompts": prompts, "dtype": case["dtype"],
                                                             "notes": "files only (--no-hf): no logits"})
+        return
+    if backend == "torch":
+        ref, logits = torch_reference(case, config, ref_weights, prompts, log)
+        if case.get("hf_config"):
+            write_json(os.path.join(folder, "config.json"), transformers5_config(config))
+        write_json(os.path.join(folder, "reference.json"), ref)
+        for i, x in enumerate(logits):
+            assert x.shape == (len(prompts[i]), case["vocab"]), x.shape
+            np.save(os.path.join(folder, f"logits_{i}.npy"), x)
         return
     with tempfile.TemporaryDirectory() as tmp:
         ref_folder = folder
@@ -352,7 +443,13 @@ def main():
     ap.add_argument("--out", required=True, help="output root (engine/testdata)")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--no-hf", action="store_true", help="write checkpoints only (no transformers)")
+    ap.add_argument("--backend", choices=["hf", "torch"], default=None,
+                    help="hf: transformers; torch: qwen_torch.py in float64 (default when transformers "
+                         "is absent)")
     args = ap.parse_args()
+    if args.backend is None:
+        import importlib.util
+        args.backend = "hf" if importlib.util.find_spec("transformers") else "torch"
     os.makedirs(args.out, exist_ok=True)
 
     def log(msg):
@@ -369,7 +466,7 @@ def main():
         t0 = time.time()
         log(f"{case['name']}:")
         try:
-            build_case(case, args.out, not args.no_hf, log)
+            build_case(case, args.out, not args.no_hf, log, args.backend)
             log(f"  done in {time.time() - t0:.1f} s")
         except Exception as e:  # one broken case must not cost the others (one device call)
             import traceback

@@ -4,8 +4,10 @@ tokenizers, Qwen2's pre-tokenizer) and a small qwen3_moe (HF transformers) on De
 then evaluates it with transformers on the CPU and writes REFERENCE.json.
 
 Run on a CUDA machine with torch, transformers and tokenizers (see tools/reference/README.md):
-  python3 tools/reference/train_tiny.py --fortunes /usr/share/games/fortunes \
+  python3 tools/reference/train_tiny.py --backend hf --fortunes /usr/share/games/fortunes \
       --out models/tiny_qwen3_moe --train-seconds 240
+or on a CPU with Debian's torch and tokenizers' Node binding (--backend torch: qwen_torch.py for
+the model, train_tokenizer.mjs for the tokenizer; the README has the exact command).
 
 Output folder: config.json, generation_config.json, model.safetensors (bf16, the Hub's per-expert
 layout), tokenizer.json, tokenizer_config.json (ChatML template), REFERENCE.json.
@@ -338,6 +340,279 @@ def heldout_perplexity(model, ids):
     return dict(windows=n, predicted_tokens=count, mean_nll=total / count, perplexity=math.exp(total / count))
 
 
+# --- --backend torch: the same recipe without transformers or the tokenizers Python package ------
+
+def node_tokenizers(*args):
+    """Runs train_tokenizer.mjs (HF tokenizers' Node binding) with args."""
+    import subprocess
+    subprocess.run(["node", os.path.join(HERE, "train_tokenizer.mjs"), *args], check=True)
+
+
+def torch_train(args, model, cfg, train_ids, val_ids):
+    """train() for qwen_torch's model: float32 on the CPU, loss = mean next-token cross entropy +
+    router_aux_loss_coef * load-balancing loss (what transformers adds with output_router_logits)."""
+    import qwen_torch
+    rng = np.random.default_rng(0)
+    T, B = args.seq, args.batch
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    train_t = torch.from_numpy(train_ids)
+    n_val = min(len(val_ids) // T, 32)
+    val_batch = torch.from_numpy(val_ids[:n_val * T].reshape(n_val, T))
+    coef = cfg["router_aux_loss_coef"]
+
+    def ce(logits, x):
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                 x[:, 1:].reshape(-1), reduction="sum")
+
+    def val_loss():
+        model.eval()
+        total = 0.0
+        with torch.no_grad():
+            for i in range(0, n_val, 8):
+                x = val_batch[i:i + 8]
+                total += ce(model(x)[0], x).item()
+        model.train()
+        return total / (n_val * (T - 1))
+
+    def step(lr):
+        for g in opt.param_groups:
+            g["lr"] = lr
+        offs = rng.integers(0, len(train_ids) - T - 1, B)
+        x = train_t[torch.from_numpy(offs)[:, None] + torch.arange(T)[None, :]]
+        logits, router_logits = model(x)
+        loss = ce(logits, x) / (B * (T - 1))
+        aux = qwen_torch.load_balancing_loss(router_logits, cfg["num_experts"], cfg["num_experts_per_tok"])
+        opt.zero_grad(set_to_none=True)
+        (loss + coef * aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss.item()
+
+    model.train()
+    # The CPU is shared with other work, so the step time drifts: the cosine schedule runs on the
+    # wall clock (fraction of train_seconds elapsed) instead of a step count fixed in advance.
+    warmup = 30
+    best, best_state, history = float("inf"), None, []
+    eval_every_s = args.train_seconds / 15
+    t_start = time.time()
+    next_eval = eval_every_s
+    i = 0
+    while True:
+        frac = (time.time() - t_start) / args.train_seconds
+        if i < warmup:
+            lr = args.lr * (i + 1) / warmup
+        else:
+            lr = args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+        loss = step(lr)
+        i += 1
+        elapsed = time.time() - t_start
+        done = elapsed >= args.train_seconds
+        if elapsed >= next_eval or done:
+            next_eval += eval_every_s
+            v = val_loss()
+            history.append(dict(step=i, train_loss=round(loss, 4), val_loss=round(v, 4)))
+            log(f"step {i} lr {lr:.2e} train loss {loss:.3f} val loss {v:.3f} "
+                f"(ppl {math.exp(v):.1f}) {elapsed:.0f} s")
+            if v < best:
+                best = v
+                best_state = {k: t.detach().clone() for k, t in model.state_dict().items()}
+        if done:
+            break
+    per_step = (time.time() - t_start) / i
+    model.load_state_dict(best_state)
+    return dict(steps=i, ms_per_step=round(per_step * 1000, 1), best_val_loss=round(best, 4),
+                history=history, seconds=round(time.time() - t_start, 1))
+
+
+def torch_heldout_perplexity(model, ids):
+    """heldout_perplexity() for qwen_torch's model (float64)."""
+    n = len(ids) // EVAL_WINDOW
+    windows = torch.from_numpy(ids[:n * EVAL_WINDOW].reshape(n, EVAL_WINDOW).astype(np.int64))
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, n, 8):
+            x = windows[i:i + 8]
+            logits = model(x)[0]
+            total += torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum").item()
+    count = n * (EVAL_WINDOW - 1)
+    return dict(windows=n, predicted_tokens=count, mean_nll=total / count, perplexity=math.exp(total / count))
+
+
+def encode_job(tok_file, streams, decode=None):
+    """Ids of each stream ({name: [text]}, concatenated, int64) and decoded id lists, through the
+    Node binding."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        job = os.path.join(d, "job.json")
+        with open(job, "w") as f:
+            json.dump(dict(streams=streams, decode=decode or {}), f)
+        node_tokenizers("encode", tok_file, job, d)
+        ids = {k: np.load(os.path.join(d, f"{k}.npy")).astype(np.int64) for k in streams}
+        with open(os.path.join(d, "decoded.json")) as f:
+            return ids, json.load(f)
+
+
+def torch_evaluate(args, out, held_ids, extra):
+    """REFERENCE.json from the saved bf16 folder with qwen_torch in float64."""
+    import qwen_torch
+    tok_file = os.path.join(out, "tokenizer.json")
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    eot, im_end = cfg["bos_token_id"], cfg["eos_token_id"]
+    ref = qwen_torch.load_model(out, torch.float64)
+    n_params = sum(p.numel() for p in ref.parameters())
+    t0 = time.time()
+    ppl = torch_heldout_perplexity(ref, held_ids)
+    log(f"held-out perplexity {ppl['perplexity']:.3f} (mean NLL {ppl['mean_nll']:.4f} over "
+        f"{ppl['predicted_tokens']} tokens, {ppl['windows']} windows) in {time.time() - t0:.1f} s")
+
+    import jinja2
+    msgs = [{"role": "user", "content": CHAT_USER}]
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)  # transformers' settings
+    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+    chat_text = env.from_string(CHAT_TEMPLATE).render(messages=msgs, add_generation_prompt=True, tools=None)
+    if chat_text != CHAT_PREFIX:
+        log(f"WARNING: chat template renders {chat_text!r}, training used {CHAT_PREFIX!r}")
+    prompt_ids, _ = encode_job(tok_file, {f"p{i}": [t] for i, t in enumerate(GREEDY_PROMPTS + [chat_text])})
+    prompt_ids = [[int(t) for t in prompt_ids[f"p{i}"]] for i in range(len(GREEDY_PROMPTS) + 1)]
+    outs = [qwen_torch.greedy(ref, p, 64) for p in prompt_ids[:-1]]
+    # Chat: greedy until <|im_end|> or <|endoftext|> (included), at most 64 tokens.
+    ids = list(prompt_ids[-1])
+    with torch.no_grad():
+        for _ in range(64):
+            ids.append(int(ref(torch.tensor([ids]))[0][0, -1].argmax()))
+            if ids[-1] in (im_end, eot):
+                break
+    chat_out = ids[len(prompt_ids[-1]):]
+    _, decoded = encode_job(tok_file, {}, {"d": outs + [chat_out]})
+    texts = decoded["d"]
+    greedy = []
+    for text, p, o, t in zip(GREEDY_PROMPTS, prompt_ids, outs, texts):
+        greedy.append(dict(prompt=text, prompt_ids=p, output_ids=o, output_text=t))
+        log(f"greedy {text!r} -> {t!r}")
+    chat = dict(messages=msgs, add_generation_prompt=True, prompt_text=chat_text, prompt_ids=prompt_ids[-1],
+                output_ids=chat_out, output_text=texts[-1],
+                stop="generation stops at <|im_end|> or <|endoftext|> (included in output_ids)")
+    log(f"chat -> {texts[-1]!r}")
+    how_model = ("tools/reference/qwen_torch.py (transformers' qwen3_moe modeling code in PyTorch; "
+                 "--backend hf reproduces it with transformers itself) on the CPU in float64 from the "
+                 "bf16 weights")
+    reference = {
+        "model": "tiny_qwen3_moe",
+        "backend": "torch",
+        "parameters": n_params,
+        "heldout": dict(
+            text="Debian fortunes=1:1.99.1-7.3, /usr/share/games/fortunes, split by "
+                 "tools/reference/fortune_split.py: entry i (0-based over all files in byte-wise name "
+                 "order) is held out iff i % 10 == 9",
+            stream="for each held-out entry: tokenizer ids of the entry (no special tokens) then "
+                   "<|endoftext|>",
+            stream_tokens=int(len(held_ids)), stream_first_ids=[int(t) for t in held_ids[:16]],
+            stream_ids_sum=int(held_ids.sum()),
+            how=f"all full non-overlapping windows of {EVAL_WINDOW} tokens from the stream's start, each "
+                f"run from position 0; teacher-forced; {how_model}; mean NLL (natural log) over the "
+                f"predicted tokens (the last {EVAL_WINDOW - 1} of each window); perplexity = exp(mean NLL)",
+            **ppl),
+        "greedy": dict(how=f"{how_model}, 64 new tokens, EOS ignored: the argmax of a full forward at "
+                           "each step; prompts encoded without special tokens", cases=greedy),
+        "chat": chat,
+    }
+    reference.update(extra)
+    with open(os.path.join(out, "REFERENCE.json"), "w") as f:
+        json.dump(reference, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+    log("REFERENCE.json written")
+
+
+def main_torch(args):
+    """The recipe of main() with qwen_torch and HF tokenizers' Node binding, on the CPU."""
+    import qwen_torch
+    torch.set_num_threads(args.threads)
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+    tok_file = os.path.join(out, "tokenizer.json")
+    train_docs, val_docs, held_docs = fortune_split.split(args.fortunes)
+    log(f"fortunes: {len(train_docs)} train, {len(val_docs)} validation, {len(held_docs)} held-out entries")
+    docs = [(CHAT_PREFIX + d + "<|im_end|>\n") if args.chat_every and i % args.chat_every == 0
+            else d + "<|endoftext|>" for i, d in enumerate(train_docs)]
+    held_stream = [d + "<|endoftext|>" for d in held_docs]
+    if args.eval_only:
+        ids, _ = encode_job(tok_file, {"held": held_stream})
+        old = {}
+        if os.path.exists(os.path.join(out, "REFERENCE.json")):
+            with open(os.path.join(out, "REFERENCE.json")) as f:
+                old = json.load(f)
+        torch_evaluate(args, out, ids["held"], {k: old[k] for k in ("train", "versions") if k in old})
+        return
+    import tempfile
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as d:
+        text = os.path.join(d, "train.txt")
+        with open(text, "w") as f:
+            f.write("\n".join(train_docs) + "\n")
+        node_tokenizers("train", text, str(args.vocab), tok_file)
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump(tokenizer_config(), f, indent=2)
+        f.write("\n")
+    # The training stream is encoded with special tokens matched (split_special_tokens off); the
+    # held-out stream's entries then <|endoftext|>: the same ids as encoding each entry alone.
+    ids, _ = encode_job(tok_file, {"train": docs, "val": [d + "<|endoftext|>" for d in val_docs],
+                                   "held": held_stream})
+    train_ids, val_ids, held_ids = ids["train"], ids["val"], ids["held"]
+    with open(tok_file) as f:
+        tj = json.load(f)
+    vocab = len(tj["model"]["vocab"]) + len(tj["added_tokens"])
+    special = {t["content"]: t["id"] for t in tj["added_tokens"]}
+    eot, im_end = special["<|endoftext|>"], special["<|im_end|>"]
+    log(f"tokenizer: {vocab} tokens in {time.time() - t0:.1f} s; <|endoftext|> {eot}, <|im_end|> {im_end}; "
+        f"tokens: train {len(train_ids)}, validation {len(val_ids)}, held-out {len(held_ids)}")
+
+    cfg = model_config(args, vocab, eot, im_end)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+        f.write("\n")
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": eot, "eos_token_id": [im_end, eot], "pad_token_id": eot,
+                   "do_sample": False}, f, indent=2)
+        f.write("\n")
+    torch.manual_seed(0)
+    model = qwen_torch.MoeForCausalLM(cfg)
+    model.init_weights(0)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {n_params} parameters ({n_params * 2 / 1e6:.2f} MB in bf16)")
+    info = torch_train(args, model, cfg, train_ids, val_ids)
+    weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    hfio.write_checkpoint(out, {k: hfio.Tensor.bf16(hfio.bf16_round(v)) for k, v in weights.items()})
+    log("checkpoint written")
+    extra = {
+        "train": dict(vars(args), optimizer="AdamW(0.9, 0.95), weight decay on matrices only, grad clip "
+                      "1.0, float32 on the CPU", schedule="linear warm-up 30 steps, then cosine to 10% of the peak over the wall-clock budget",
+                      data=("training entries, each followed by <|endoftext|>; every chat_every-th wrapped as "
+                            f"{CHAT_PREFIX!r} + entry + '<|im_end|>\\n'; random windows of seq tokens"),
+                      loss="mean next-token cross entropy + router_aux_loss_coef * load-balancing loss",
+                      checkpoint="the evaluation with the lowest validation loss (entries i % 10 == 8)",
+                      tokenizer=("tools/reference/train_tokenizer.mjs (HF tokenizers' Node binding "
+                                 f"{node_tokenizers_version()})"),
+                      train_tokens=int(len(train_ids)), **info),
+        "versions": dict(torch=torch.__version__, device="cpu"),
+    }
+    for k in ("out", "fortunes", "eval_only"):
+        extra["train"].pop(k, None)
+    torch_evaluate(args, out, held_ids, extra)
+
+
+def node_tokenizers_version():
+    import subprocess
+    r = subprocess.run(["node", "-e", "console.log(require('tokenizers/package.json').version)"],
+                       capture_output=True, text=True)
+    return r.stdout.strip() or "unknown"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fortunes", default=fortune_split.DEFAULT_DIR)
@@ -358,7 +633,19 @@ def main():
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--chat-every", type=int, default=10,
                     help="every Nth training entry is wrapped as a ChatML exchange (0: none)")
+    ap.add_argument("--backend", choices=["hf", "torch"], default=None,
+                    help="hf: transformers and tokenizers (Python); torch: qwen_torch.py and tokenizers' "
+                         "Node binding on the CPU (default when transformers is absent)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (--backend torch)")
+    ap.add_argument("--eval-only", action="store_true",
+                    help="--backend torch: recompute REFERENCE.json from the saved folder")
     args = ap.parse_args()
+    if args.backend is None:
+        import importlib.util
+        args.backend = "hf" if importlib.util.find_spec("transformers") else "torch"
+    if args.backend == "torch":
+        main_torch(args)
+        return
 
     import tokenizers
     import transformers
