@@ -18,8 +18,8 @@ namespace moe::tokenizer {
 
 struct ChatTemplateInputs {
   nlohmann::ordered_json messages = nlohmann::ordered_json::array();
-  // Tool definitions (OpenAI shape); null when the request has none (the template then sees
-  // `tools` undefined... exactly as transformers passes tools=None).
+  // Tool definitions (OpenAI shape); null when the request has none: the template then sees
+  // `tools` defined and none, exactly as transformers passes tools=None.
   nlohmann::ordered_json tools;
   bool add_generation_prompt = true;
   // Extra template variables (chat_template_kwargs, e.g. {"enable_thinking": false}).

@@ -12,6 +12,9 @@ synthetic_bytefallback.json: merges as ["a", "b"] pairs (one with a space inside
 synthetic_ignore_merges.json: byte-level with use_regex and add_prefix_space, ignore_merges (whole
   words in the vocabulary win over merges), merges as "a b" strings, a Split regex with
   Contiguous behavior, NFD, an added token outside the byte-level alphabet.
+synthetic_split_behaviors.json: Lowercase + Prepend normalizers, Split with Removed,
+  MergedWithPrevious and an inverted MergedWithNext, continuing_subword_prefix "##", unk_token
+  without fuse_unk, RobertaProcessing, and no decoder (tokens joined by spaces).
 """
 import json
 import os
@@ -120,10 +123,47 @@ def ignore_merges():
     }
 
 
+def split_behaviors():
+    vocab = {"<s>": 0, "[UNK]": 1, "</s>": 2}
+    for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?'_":
+        vocab.setdefault(c, len(vocab))
+        vocab.setdefault("##" + c, len(vocab))
+    vocab.setdefault("▁", len(vocab))
+    merges = []
+    for a, b in [("t", "##h"), ("th", "##e"), ("##i", "##n"), ("##in", "##g"), ("a", "##n"),
+                 ("an", "##d"), ("##e", "##r"), ("▁", "##t"), ("o", "##f"), ("##o", "##n")]:
+        merged = a + b[2:] if b.startswith("##") else a + b
+        vocab.setdefault(merged, len(vocab))
+        merges.append([a, b])
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True} for t, i in [("<s>", 0), ("[UNK]", 1),
+                                                                 ("</s>", 2)]]
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Lowercase"}, {"type": "Prepend", "prepend": "▁"}]},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"String": " "}, "behavior": "Removed",
+             "invert": False},
+            {"type": "Split", "pattern": {"Regex": "[.,!?;:]"},
+             "behavior": "MergedWithPrevious", "invert": False},
+            {"type": "Split", "pattern": {"Regex": "[a-z]+"}, "behavior": "MergedWithNext",
+             "invert": True}]},
+        "post_processor": {"type": "RobertaProcessing", "sep": ["</s>", 2], "cls": ["<s>", 0],
+                           "trim_offsets": True, "add_prefix_space": False},
+        "decoder": None,
+        "model": {"type": "BPE", "dropout": None, "unk_token": "[UNK]",
+                  "continuing_subword_prefix": "##", "end_of_word_suffix": None,
+                  "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": merges},
+    }
+
+
 def main():
     out = sys.argv[1]
     for name, t in [("synthetic_bytefallback.json", bytefallback()),
-                    ("synthetic_ignore_merges.json", ignore_merges())]:
+                    ("synthetic_ignore_merges.json", ignore_merges()),
+                    ("synthetic_split_behaviors.json", split_behaviors())]:
         with open(os.path.join(out, name), "w", encoding="utf-8") as f:
             json.dump(t, f, ensure_ascii=False)
             f.write("\n")
