@@ -242,6 +242,9 @@ absl::Status ParseMessages(const Json& body, OpenAiRequest& r) {
     if (role_name != "assistant" && out["content"].is_null()) {
       return Bad(field + ".content", "is required for this role");
     }
+    // An assistant turn that only called tools has null content; templates (Qwen3's) test
+    // substrings of it, so it is given to them as "".
+    if (out["content"].is_null()) out["content"] = "";
     if (const Json* rc = Field(m, "reasoning_content")) {
       if (!rc->is_string()) return Bad(field + ".reasoning_content", "must be a string");
       out["reasoning_content"] = *rc;
