@@ -112,8 +112,17 @@ int main(int argc, char** argv) {
               info.name.c_str(), info.num_layers, info.hidden_size, info.num_experts,
               info.experts_per_token, info.expert_format.c_str(),
               absl::GetFlag(FLAGS_prompt_tokens), absl::GetFlag(FLAGS_max_tokens));
-  std::printf("%8s %10s %12s %12s %12s %12s %8s\n", "streams", "tok/s", "ttft_p50_ms",
-              "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "failed");
+  // The engine's own view, to tell serving overhead from model time: rows per step and the
+  // share of the wall time spent inside Engine::Step.
+  auto stats = [&] {
+    auto stub = v1::Serving::NewStub(channel);
+    grpc::ClientContext ctx;
+    v1::Stats s;
+    (void)stub->GetStats(&ctx, v1::GetStatsRequest(), &s);
+    return s;
+  };
+  std::printf("%8s %10s %12s %12s %12s %12s %10s %10s %8s\n", "streams", "tok/s", "ttft_p50_ms",
+              "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "rows/step", "in_step", "failed");
   nlohmann::json results = nlohmann::json::array();
   for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_concurrency), ',')) {
     int c = 0;
@@ -123,6 +132,7 @@ int main(int argc, char** argv) {
     }
     const int per_client = absl::GetFlag(FLAGS_requests_per_client);
     std::vector<std::vector<Sample>> samples(c);
+    const v1::Stats before = stats();
     const absl::Time start = absl::Now();
     std::vector<std::thread> threads;
     for (int t = 0; t < c; ++t) {
@@ -133,6 +143,17 @@ int main(int argc, char** argv) {
     }
     for (auto& th : threads) th.join();
     const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    const v1::Stats after = stats();
+    const double steps = static_cast<double>(after.steps() - before.steps());
+    const double rows = steps > 0 ? (after.decode_tokens() - before.decode_tokens()) / steps : 0;
+    // Engine step time = tokens / (tokens per second) for each kind, from the lifetime figures.
+    auto busy = [](const v1::Stats& s) {
+      double t = 0;
+      if (s.decode_tokens_per_second() > 0) t += s.decode_tokens() / s.decode_tokens_per_second();
+      if (s.prefill_tokens_per_second() > 0) t += s.prefill_tokens() / s.prefill_tokens_per_second();
+      return t;
+    };
+    const double in_step = (busy(after) - busy(before)) / seconds;
     std::vector<double> ttft, itl;
     long tokens = 0;
     int failed = 0;
@@ -145,9 +166,9 @@ int main(int argc, char** argv) {
       }
     }
     const double tps = tokens / seconds;
-    std::printf("%8d %10.1f %12.1f %12.1f %12.2f %12.2f %8d\n", c, tps, Percentile(ttft, 0.5) * 1e3,
-                Percentile(ttft, 0.99) * 1e3, Percentile(itl, 0.5) * 1e3, Percentile(itl, 0.99) * 1e3,
-                failed);
+    std::printf("%8d %10.1f %12.1f %12.1f %12.2f %12.2f %10.1f %9.0f%% %8d\n", c, tps,
+                Percentile(ttft, 0.5) * 1e3, Percentile(ttft, 0.99) * 1e3, Percentile(itl, 0.5) * 1e3,
+                Percentile(itl, 0.99) * 1e3, rows, in_step * 100, failed);
     std::fflush(stdout);
     results.push_back({{"streams", c},
                        {"requests", c * per_client},
@@ -158,6 +179,8 @@ int main(int argc, char** argv) {
                        {"ttft_p99_ms", Percentile(ttft, 0.99) * 1e3},
                        {"itl_p50_ms", Percentile(itl, 0.5) * 1e3},
                        {"itl_p99_ms", Percentile(itl, 0.99) * 1e3},
+                       {"decode_rows_per_step", rows},
+                       {"engine_step_share", in_step},
                        {"failed", failed}});
   }
   (*server)->Shutdown(absl::Seconds(5));
