@@ -211,9 +211,53 @@ def to_tensors(case, weights):
     return saved, ref
 
 
-def make_prompts(case):
+# Smallest gap, in router logits, between the k-th and (k+1)-th expert of any token of a prompt
+# of a bf16 or fp8 case. The engine computes those cases with bf16 activations; where two experts
+# nearly tie, that rounding may pick the other one, which is a legitimate result, yet it moves
+# that token's logits far beyond rounding noise (seen: a 0.004 gap flipped in qwen3_fp8_block).
+# Such prompts are drawn again, so the fixture measures rounding, not coin flips.
+ROUTER_MARGIN = 0.1
+
+
+def min_router_gap(config, ref_weights, prompt):
+    """The smallest top-k router-logit gap over all tokens and MoE layers (qwen_torch, float64)."""
+    import torch
+    import qwen_torch
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = dict(config)
+        cfg.pop("quantization_config", None)
+        write_json(os.path.join(tmp, "config.json"), cfg)
+        model = qwen_torch.load_model(tmp, torch.float64, tensors=ref_weights)
+    gaps = []
+    k = config["num_experts_per_tok"]
+
+    def hook(mod, inputs, out):
+        logits = out[1].sort(dim=-1, descending=True).values
+        gaps.append(float((logits[:, k - 1] - logits[:, k]).min()))
+
+    for layer in model.model.layers:
+        if layer.moe:
+            layer.mlp.register_forward_hook(hook)
+    with torch.no_grad():
+        model(torch.tensor([prompt], dtype=torch.long))
+    return min(gaps) if gaps else float("inf")
+
+
+def make_prompts(case, config=None, ref_weights=None):
+    """Random prompts of case["prompt_lens"] tokens; for bf16 / fp8 cases each is drawn again
+    until its routing has no near-tie (ROUTER_MARGIN), which needs config and ref_weights."""
     rng = np.random.default_rng(case["seed"] + 1000)
-    return [[int(t) for t in rng.integers(0, case["vocab"], n)] for n in case["prompt_lens"]]
+    prompts = []
+    for n in case["prompt_lens"]:
+        for _ in range(1000):
+            p = [int(t) for t in rng.integers(0, case["vocab"], n)]
+            if case["dtype"] == "float32" or config is None or \
+                    min_router_gap(config, ref_weights, p) >= ROUTER_MARGIN:
+                break
+        else:
+            raise RuntimeError(f"{case['name']}: no prompt of {n} tokens without a router near-tie")
+        prompts.append(p)
+    return prompts
 
 
 def write_json(path, obj):
@@ -393,7 +437,7 @@ def build_case(case, out_root, use_hf, log, backend="hf"):
                                          "activation_scheme": "dynamic"}
     write_json(os.path.join(folder, "config.json"), config)
     hfio.write_checkpoint(folder, saved, shards=case.get("shards", 1))
-    prompts = make_prompts(case)
+    prompts = make_prompts(case, config, ref_weights)
     if not use_hf:
         write_json(os.path.join(folder, "reference.json"), {"prompts": prompts, "dtype": case["dtype"],
                                                             "notes": "files only (--no-hf): no logits"})
