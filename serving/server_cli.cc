@@ -6,6 +6,8 @@
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "engine/engine_flags.h"
@@ -52,6 +54,15 @@ int Fail(const absl::Status& status) {
 }  // namespace
 
 int ServerMain(int argc, char** argv, const EngineFactory& create_engine) {
+  // --help lists the server's and the engine's flags (Abseil's default shows only flags defined
+  // in a file named after the binary).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::StrContains(file, "serving/") || absl::StrContains(file, "engine/engine_flags") ||
+           absl::StrContains(file, "tests/serving/");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   engine::ParseCommandLine(argc, argv, kUsage);
   // Signals are taken by sigwait below: block them before any thread starts so that no other
   // thread receives them. A closed client socket must not kill the process either.
