@@ -13,6 +13,9 @@
 
 namespace moe::moe_overlap {
 
+
+#if MOE_HAVE_CUDA
+
 namespace {
 
 void Keep(absl::Status* first, const absl::Status& next) {
@@ -20,8 +23,6 @@ void Keep(absl::Status* first, const absl::Status& next) {
 }
 
 }  // namespace
-
-#if MOE_HAVE_CUDA
 
 ForkJoinScope::ForkJoinScope(const StreamPair& pair) : pair_(pair) {
   if (!pair_.options().overlap) return;

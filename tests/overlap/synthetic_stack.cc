@@ -17,6 +17,29 @@
 
 namespace moe::overlap_test {
 
+
+absl::StatusOr<std::unique_ptr<SyntheticMoeStack>> SyntheticMoeStack::Create(
+    const StackConfig& config) {
+  std::unique_ptr<SyntheticMoeStack> stack(new SyntheticMoeStack());
+  RETURN_IF_ERROR(stack->Init(config));
+  return stack;
+}
+
+int SyntheticMoeStack::CountMismatches(const StepResult& r, int batch) const {
+  const int n = batch * config_.top_k;
+  int bad = 0;
+  for (int l = 0; l < config_.layers; ++l) {
+    for (int i = 0; i < n; ++i) {
+      const int32_t id = r.ids[l * n + i];
+      if (id < 0 || id >= config_.experts) continue;
+      if (r.checksums[l * n + i] != expected_[l * config_.experts + id]) ++bad;
+    }
+  }
+  return bad;
+}
+
+#if MOE_HAVE_CUDA
+
 namespace {
 
 uint64_t SplitMix(uint64_t* state) {
@@ -50,28 +73,6 @@ void FillBf16(uint64_t seed, float scale, std::vector<uint16_t>* out) {
 }
 
 }  // namespace
-
-absl::StatusOr<std::unique_ptr<SyntheticMoeStack>> SyntheticMoeStack::Create(
-    const StackConfig& config) {
-  std::unique_ptr<SyntheticMoeStack> stack(new SyntheticMoeStack());
-  RETURN_IF_ERROR(stack->Init(config));
-  return stack;
-}
-
-int SyntheticMoeStack::CountMismatches(const StepResult& r, int batch) const {
-  const int n = batch * config_.top_k;
-  int bad = 0;
-  for (int l = 0; l < config_.layers; ++l) {
-    for (int i = 0; i < n; ++i) {
-      const int32_t id = r.ids[l * n + i];
-      if (id < 0 || id >= config_.experts) continue;
-      if (r.checksums[l * n + i] != expected_[l * config_.experts + id]) ++bad;
-    }
-  }
-  return bad;
-}
-
-#if MOE_HAVE_CUDA
 
 namespace {
 
