@@ -18,7 +18,11 @@ cpu_moe::Options CpuExpertBackend::DefaultOptions(bool deterministic, bool f32_a
     o.amx = false;
     o.onednn_min_tokens_per_expert = 0;
   }
-  if (f32_activations) o.bf16_dot_product = false;
+  if (f32_activations) {
+    // cpu_moe's oneDNN path (experts with many routes) always rounds activations to bf16.
+    o.bf16_dot_product = false;
+    o.onednn_min_tokens_per_expert = 0;
+  }
   return o;
 }
 

@@ -26,7 +26,8 @@ class CpuExpertBackend final : public ExpertBackend {
                    common::ThreadPool* pool);
 
   // The options the engine uses: cpu_moe's defaults (from the environment), with AMX and oneDNN
-  // off when deterministic; bf16_dot_product off when `f32_activations` (reference comparisons).
+  // off when deterministic; with `f32_activations` (reference comparisons) bf16_dot_product and
+  // oneDNN (which rounds activations to bf16) off.
   static cpu_moe::Options DefaultOptions(bool deterministic, bool f32_activations);
 
   absl::Status Forward(int moe_layer, int num_tokens, int top_k, absl::Span<const int32_t> ids,

@@ -153,7 +153,9 @@ absl::StatusOr<RandomModel> MakeRandomModel(const ModelConfig& c,
       }
     };
     if (!q4) {
-      common::AlignedBuffer<uint16_t> gub(E * gu_n), dnb(E * dn_n);
+      // Huge pages: a full-size bank is gigabytes, and 4 KiB page faults would dominate making it.
+      ASSIGN_OR_RETURN(auto gub, common::AlignedBuffer<uint16_t>::AllocateHugePages(E * gu_n));
+      ASSIGN_OR_RETURN(auto dnb, common::AlignedBuffer<uint16_t>::AllocateHugePages(E * dn_n));
       for (size_t i = 0; i < distinct * gu_n; ++i) gub.data()[i] = common::FloatToBf16(gu[i]);
       for (size_t i = 0; i < distinct * dn_n; ++i) dnb.data()[i] = common::FloatToBf16(dn[i]);
       copy_experts(gub.data(), gu_n);
@@ -169,7 +171,10 @@ absl::StatusOr<RandomModel> MakeRandomModel(const ModelConfig& c,
       m.banks.push_back(bank);
     } else {
       const size_t gu_blocks = gu_n / common::kQ4_0Block, dn_blocks = dn_n / common::kQ4_0Block;
-      common::AlignedBuffer<common::BlockQ4_0> gub(E * gu_blocks), dnb(E * dn_blocks);
+      ASSIGN_OR_RETURN(auto gub,
+                       common::AlignedBuffer<common::BlockQ4_0>::AllocateHugePages(E * gu_blocks));
+      ASSIGN_OR_RETURN(auto dnb,
+                       common::AlignedBuffer<common::BlockQ4_0>::AllocateHugePages(E * dn_blocks));
       for (int e = 0; e < distinct; ++e) {
         for (int r = 0; r < 2 * I; ++r) {
           common::QuantizeRowQ4_0(gu.data() + e * gu_n + static_cast<size_t>(r) * H, H,
