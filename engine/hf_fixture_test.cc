@@ -22,7 +22,7 @@
 #include "engine/loader.h"
 #include "engine/model.h"
 #include "engine/model_engine.h"
-#include "engine/npy.h"
+#include "common/npy.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -102,10 +102,10 @@ TEST(HfFixtureTest, TeacherForcedLogitsMatchTransformers) {
     ASSERT_TRUE((*model)->Forward(chunks, kv->get(), &logits).ok());
     size_t row = 0;
     for (size_t i = 0; i < prompts.size(); ++i) {
-      auto npy = ReadNpy((dir / ("logits_" + std::to_string(i) + ".npy")).string());
+      auto npy = common::ReadNpy((dir / ("logits_" + std::to_string(i) + ".npy")).string());
       ASSERT_TRUE(npy.ok()) << npy.status();
-      auto want = npy->AsFloat32();
-      ASSERT_TRUE(want.ok());
+      ASSERT_EQ(npy->dtype, common::NpyDtype::kFloat32);
+      const std::vector<float>* want = &npy->f32;
       ASSERT_EQ(want->size(), prompts[i].size() * c.vocab_size);
       double diff = 0, scale = 0;
       for (size_t j = 0; j < want->size(); ++j) {

@@ -23,7 +23,7 @@
 #include "engine/loader.h"
 #include "engine/model.h"
 #include "engine/model_engine.h"
-#include "engine/npy.h"
+#include "common/npy.h"
 #include "engine/tokenizer/chat_template.h"
 
 ABSL_FLAG(std::string, prompt, "", "prompt text (encoded without special tokens)");
@@ -46,11 +46,14 @@ namespace {
 absl::Status DumpLogits(const ModelEngineOptions& options) {
   std::string dir = options.model_dir.empty() ? DefaultModelDir() : options.model_dir;
   if (dir.empty()) return absl::NotFoundError("no --model and no embedded default model");
-  ASSIGN_OR_RETURN(NpyArray ids_npy, ReadNpy(absl::GetFlag(FLAGS_input_ids)));
+  ASSIGN_OR_RETURN(common::NpyArray ids_npy, common::ReadNpy(absl::GetFlag(FLAGS_input_ids)));
   if (ids_npy.shape.size() != 2 || ids_npy.shape[1] == 0) {
     return absl::InvalidArgumentError("--input_ids must be [batch, tokens] with tokens > 0");
   }
-  ASSIGN_OR_RETURN(std::vector<int32_t> ids, ids_npy.AsInt32());
+  if (ids_npy.dtype != common::NpyDtype::kInt32) {
+    return absl::InvalidArgumentError("--input_ids must hold int32 or int64 token ids");
+  }
+  const std::vector<int32_t>& ids = ids_npy.i32;
   const int batch = static_cast<int>(ids_npy.shape[0]), len = static_cast<int>(ids_npy.shape[1]);
   ASSIGN_OR_RETURN(common::WeightFormat format, common::ParseWeightFormat(options.expert_format));
   LoadOptions lo;
@@ -80,7 +83,7 @@ absl::Status DumpLogits(const ModelEngineOptions& options) {
   std::vector<float> logits;
   RETURN_IF_ERROR(model->Forward(chunks, kv.get(), &logits));
   RETURN_IF_ERROR(
-      WriteNpyFloat32(absl::GetFlag(FLAGS_dump_logits), {batch, len, c.vocab_size}, logits.data()));
+      common::WriteNpyFloat32(absl::GetFlag(FLAGS_dump_logits), {batch, len, c.vocab_size}, logits));
   std::fprintf(stderr, "wrote [%d, %d, %d] logits to %s\n", batch, len, c.vocab_size,
                absl::GetFlag(FLAGS_dump_logits).c_str());
   return absl::OkStatus();
