@@ -4,6 +4,8 @@
 
 #if MOE_HAVE_CUDA
 #include <cuda_runtime_api.h>
+
+#include <vector>
 #endif
 
 // MOE_OVERLAP_TESTONLY_SKIP_JOIN builds the negative control of //tests/overlap: the same scope
@@ -29,6 +31,26 @@ ForkJoinScope::ForkJoinScope(const StreamPair& pair) : pair_(pair) {
   absl::Status s = [&]() -> absl::Status {
     CUDA_RETURN_IF_ERROR(cudaEventRecord(pair_.ready(), pair_.compute()));
     CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(pair_.side(), pair_.ready(), 0));
+#ifndef MOE_OVERLAP_TESTONLY_SKIP_JOIN
+    // Under capture a wait adds the event's nodes to the side stream's dependencies, so the side
+    // branch would also hang off the previous layer's copy: an edge the join already implies
+    // (that copy precedes this fork on the compute stream). Set the side stream's dependencies
+    // to the fork point alone, so the graph holds exactly one fork edge per layer.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    const cudaGraphNode_t* deps = nullptr;
+    const cudaGraphEdgeData* edges = nullptr;
+    size_t num_deps = 0;
+    CUDA_RETURN_IF_ERROR(cudaStreamGetCaptureInfo(pair_.compute(), &capture, nullptr, nullptr,
+                                                  &deps, &edges, &num_deps));
+    if (capture == cudaStreamCaptureStatusActive) {
+      std::vector<cudaGraphNode_t> fork(deps, deps + num_deps);
+      std::vector<cudaGraphEdgeData> fork_edges;
+      if (edges != nullptr) fork_edges.assign(edges, edges + num_deps);
+      CUDA_RETURN_IF_ERROR(cudaStreamUpdateCaptureDependencies(
+          pair_.side(), fork.data(), fork_edges.empty() ? nullptr : fork_edges.data(),
+          fork.size(), cudaStreamSetCaptureDependencies));
+    }
+#endif
     return absl::OkStatus();
   }();
   // If the record failed the side stream never joined: nothing to join, branches run serially.
