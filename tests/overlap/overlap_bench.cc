@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "graph_capture/decode_graph.h"
 #include "nlohmann/json.hpp"
@@ -158,15 +159,20 @@ class Runner {
 
   // Eager, overlap off, per-layer events: (ideal gain ms/step, copy ms/step, shared ms/step,
   // misses per token).
-  void MeasureIdeal(int steps, double* ideal, double* copy, double* shared, double* misses) {
+  // stage_ms: the serial step by stage, ms/step (router, ensure_experts, copy + shared expert,
+  // checksum consumer + combine), from events between the stages.
+  void MeasureIdeal(int steps, double* ideal, double* copy, double* shared, double* misses,
+                    double stage_ms[4]) {
     stack_->set_overlap(false);
     const int L = stack_->config().layers;
     LayerTimers t;
-    for (auto* v : {&t.side_begin, &t.side_end, &t.compute_begin, &t.compute_end}) {
-      v->resize(L);
+    t.stages.resize(L * LayerTimers::kStageMarks);
+    for (auto* v : {&t.side_begin, &t.side_end, &t.compute_begin, &t.compute_end, &t.stages}) {
+      if (v != &t.stages) v->resize(L);
       for (auto& e : *v) CHECK_CUDA(cudaEventCreate(&e));
     }
     *ideal = *copy = *shared = *misses = 0;
+    for (int i = 0; i < 4; ++i) stage_ms[i] = 0;
     for (int s = 0; s < steps; ++s) {
       CHECK_OK(stack_->SetTokens(Tokens()));
       CHECK_OK(stack_->EnqueueStep(batch_, &t));
@@ -184,13 +190,20 @@ class Runner {
         *shared += h;
         *ideal += std::min(c, h);
         *misses += r->plan_counts[l];
+        for (int i = 0; i < 4; ++i) {
+          float m = 0;
+          CHECK_CUDA(cudaEventElapsedTime(&m, t.stages[l * LayerTimers::kStageMarks + i],
+                                          t.stages[l * LayerTimers::kStageMarks + i + 1]));
+          stage_ms[i] += m;
+        }
       }
     }
+    for (int i = 0; i < 4; ++i) stage_ms[i] /= steps;
     *ideal /= steps;
     *copy /= steps;
     *shared /= steps;
     *misses /= static_cast<double>(steps) * batch_;
-    for (auto* v : {&t.side_begin, &t.side_end, &t.compute_begin, &t.compute_end}) {
+    for (auto* v : {&t.side_begin, &t.side_end, &t.compute_begin, &t.compute_end, &t.stages}) {
       for (auto& e : *v) cudaEventDestroy(e);
     }
   }
@@ -243,6 +256,7 @@ int Main(const Args& a) {
   std::printf("\n| slots | misses/token | mode | off ms (median/mean) | on ms (median/mean) | "
               "gain ms (median/mean) | ideal ms | reached | pair noise ms |\n"
               "|---|---|---|---|---|---|---|---|---|\n");
+  std::vector<std::string> stage_rows;
   for (int slots : a.slots) {
     CHECK_OK(stack.ResetCache(slots));
     Runner runner(&stack, a.batch);
@@ -251,11 +265,17 @@ int Main(const Args& a) {
     for (bool graph : {true, false}) {
       for (bool on : {false, true}) runner.Run(graph, on, std::max(1, a.warmup / 4));
     }
-    double ideal, copy, shared, misses;
-    runner.MeasureIdeal(16, &ideal, &copy, &shared, &misses);
+    double ideal, copy, shared, misses, stage[4];
+    runner.MeasureIdeal(16, &ideal, &copy, &shared, &misses, stage);
     nlohmann::json row = {{"slots", slots},       {"misses_per_token", misses},
                           {"ideal_gain_ms", ideal}, {"copy_ms", copy},
-                          {"shared_ms", shared}};
+                          {"shared_ms", shared},
+                          {"serial_stage_ms", {{"router", stage[0]}, {"ensure_experts", stage[1]},
+                                               {"copy_and_shared", stage[2]},
+                                               {"consumer", stage[3]}}}};
+    stage_rows.push_back(absl::StrFormat(
+        "| %d | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f |", slots, stage[0], stage[1], copy,
+        shared, stage[2], stage[3]));
     for (bool graph : {true, false}) {
       std::vector<double> off, on, gain;
       for (int p = 0; p < a.pairs; ++p) {
@@ -290,6 +310,10 @@ int Main(const Args& a) {
     out["results"].push_back(row);
     std::fflush(stdout);
   }
+  std::printf("\nThe serial step (eager, overlap off) by stage, ms per step, summed over layers:\n\n"
+              "| slots | router | ensure_experts | copy_missing | shared expert | copy + shared | "
+              "checksum + combine |\n|---|---|---|---|---|---|---|\n");
+  for (const std::string& r : stage_rows) std::printf("%s\n", r.c_str());
   if (!a.json.empty()) {
     std::ofstream f(a.json);
     f << out.dump(2) << "\n";

@@ -290,16 +290,31 @@ absl::Status SyntheticMoeStack::EnqueueStep(int batch, LayerTimers* timers) {
   const int64_t T = config_.max_batch, K = config_.top_k, n = batch * K;
   RETURN_IF_ERROR(LaunchEmbed(tokens_, embed_, config_.vocab, batch, config_.hidden, x_, h_,
                               compute));
+  if (timers != nullptr && !timers->stages.empty() &&
+      timers->stages.size() < static_cast<size_t>(config_.layers * LayerTimers::kStageMarks)) {
+    return absl::InvalidArgumentError("timers: kStageMarks stage events per layer needed");
+  }
+  const bool stages = timers != nullptr && !timers->stages.empty();
+  auto mark = [&](int l, int m) -> absl::Status {
+    if (stages) {
+      CUDA_RETURN_IF_ERROR(
+          cudaEventRecord(timers->stages[l * LayerTimers::kStageMarks + m], compute));
+    }
+    return absl::OkStatus();
+  };
   for (int l = 0; l < config_.layers; ++l) {
     // cuBLAS runs on the handle's stream, which is the compute stream: the router and the shared
     // expert are compute-branch work by construction.
+    RETURN_IF_ERROR(mark(l, 0));
     RETURN_IF_ERROR(EnqueueRouter(l, batch, compute));
+    RETURN_IF_ERROR(mark(l, 1));
     int32_t* slots = slot_ids_ + l * T * K;
     moe_cache::MissPlanEntry* plan = plans_ + l * T * K;
     // Single writer of the slot map and the miss plan: the compute stream, before the fork.
     RETURN_IF_ERROR(moe_cache::LaunchEnsureExperts(state_->view(), l, ids_ + l * T * K,
                                                    static_cast<int32_t>(n), slots,
                                                    plan_counts_ + l, plan, compute));
+    RETURN_IF_ERROR(mark(l, 2));
     {
       moe_overlap::ForkJoinScope scope(*pair_);
       RETURN_IF_ERROR(scope.Side([&](CUstream_st* s) -> absl::Status {
@@ -317,10 +332,12 @@ absl::Status SyntheticMoeStack::EnqueueStep(int batch, LayerTimers* timers) {
       }));
       RETURN_IF_ERROR(scope.Join());
     }
+    RETURN_IF_ERROR(mark(l, 3));
     RETURN_IF_ERROR(LaunchChecksum(desc_, slots, static_cast<int>(n), partials_, compute));
     RETURN_IF_ERROR(LaunchCombine(partials_, weights_ + l * T * K, shared_out_, batch,
                                   static_cast<int>(K), config_.hidden, checksums_ + l * T * K, h_,
                                   x_, compute));
+    RETURN_IF_ERROR(mark(l, 4));
   }
   return absl::OkStatus();
 }

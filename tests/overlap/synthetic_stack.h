@@ -58,6 +58,10 @@ struct StackConfig {
 // the compute branch (shared expert) of every layer, bracketed by timing events.
 struct LayerTimers {
   std::vector<CUevent_st*> side_begin, side_end, compute_begin, compute_end;
+  // Optional, [layers * kStageMarks] on the compute stream: before the router, after the router,
+  // after ensure_experts, after the join, after the combine (the step's time by stage).
+  static constexpr int kStageMarks = 5;
+  std::vector<CUevent_st*> stages;
 };
 
 class SyntheticMoeStack {
