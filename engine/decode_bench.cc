@@ -8,8 +8,19 @@
 // the LM head, the distinct experts the routes touched (counted per call), the KV cache read),
 // and the fraction of it reached.
 //
-//   decode_bench [--layers 48] [--formats bf16,q4_0] [--batches 1,8,32] [--threads 0]
-//                [--prefill_tokens 512] [--decode_steps 16] [--context 128] [--json FILE]
+// --routing-trace FILE.npy (int [tokens, 48 MoE layers, k], moe_cache/trace.h) replaces the
+// random router's choice of experts with recorded routing (engine/routing_override.h; the
+// calibration of its synthetic continuation is printed first). Each case starts a new pass at
+// the trace's first token: the prefill case's prompt token i takes trace token i (both runs);
+// a decode case's context prompts are routed by the model's own router (untimed), then its timed
+// steps take the trace in order with the batch rows interleaved: step s, row b takes trace token
+// s * B + b. The random model's top-k must be the trace's: --top_k 6 for
+// /work/shared/traces/qwen3_30b_a3b_top6_expert_ids.npy.
+//
+//   decode_bench [--layers 48] [--top_k 8] [--formats bf16,q4_0] [--batches 1,8,32]
+//                [--threads 0] [--prefill_tokens 512] [--decode_steps 16] [--context 128]
+//                [--routing_trace FILE.npy] [--json FILE]
+// Dashed spellings (--routing-trace) are accepted too.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -29,10 +40,15 @@
 #include "engine/kv_cache.h"
 #include "engine/model.h"
 #include "engine/random_model.h"
+#include "engine/routing_override.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(int, layers, 48, "decoder layers (48: the real depth)");
 ABSL_FLAG(int, experts, 128, "routed experts per layer");
+ABSL_FLAG(int, top_k, 8, "experts per token (num_experts_per_tok); must match --routing_trace's k");
+ABSL_FLAG(std::string, routing_trace, "",
+          "recorded routing (.npy int [tokens, MoE layers, k]) forced at the router, one pass, "
+          "continued past its end by the fitted synthetic generator; empty: the random router");
 ABSL_FLAG(int, vocab, 151936, "vocabulary size");
 ABSL_FLAG(std::string, formats, "bf16,q4_0", "expert formats to run, comma-separated");
 ABSL_FLAG(std::string, batches, "1,8,32", "decode batch sizes");
@@ -48,7 +64,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-ModelConfig Qwen3_30B_A3B(int layers, int experts, int vocab) {
+ModelConfig Qwen3_30B_A3B(int layers, int experts, int top_k, int vocab) {
   ModelConfig c;
   c.model_type = "qwen3_moe";
   c.vocab_size = vocab;
@@ -63,7 +79,7 @@ ModelConfig Qwen3_30B_A3B(int layers, int experts, int vocab) {
   c.rope_theta = 1000000.0;
   c.max_position_embeddings = 40960;
   c.num_experts = experts;
-  c.num_experts_per_tok = 8;
+  c.num_experts_per_tok = top_k;
   c.norm_topk_prob = true;
   c.qk_norm = true;
   c.tie_word_embeddings = false;
@@ -93,6 +109,7 @@ struct Case {
   int batch = 0, tokens = 0;
   double seconds = 0, tok_s = 0, bytes_per_token = 0, dram_gbps = 0, roofline_tok_s = 0,
          fraction = 0, unique_experts_per_layer = 0;
+  int64_t trace_tokens = 0, synthetic_tokens = 0;  // routing taken from the trace / generator
 };
 
 int ArgMax(const float* l, int n) { return static_cast<int>(std::max_element(l, l + n) - l); }
@@ -103,6 +120,10 @@ void Print(const Case& c) {
       "GB/s)  fraction %.2f  experts/layer %.1f\n",
       c.format.c_str(), c.kind.c_str(), c.batch, c.tok_s, c.roofline_tok_s, c.bytes_per_token / 1e6,
       c.dram_gbps, c.fraction, c.unique_experts_per_layer);
+  if (c.trace_tokens + c.synthetic_tokens > 0) {
+    std::printf("      routing: %lld tokens from the trace, %lld synthetic\n",
+                static_cast<long long>(c.trace_tokens), static_cast<long long>(c.synthetic_tokens));
+  }
   std::fflush(stdout);
 }
 
@@ -120,8 +141,27 @@ int Run() {
     }
     batches.push_back(b);
   }
-  const ModelConfig cfg = Qwen3_30B_A3B(absl::GetFlag(FLAGS_layers), absl::GetFlag(FLAGS_experts),
-                                        absl::GetFlag(FLAGS_vocab));
+  const ModelConfig cfg =
+      Qwen3_30B_A3B(absl::GetFlag(FLAGS_layers), absl::GetFlag(FLAGS_experts),
+                    absl::GetFlag(FLAGS_top_k), absl::GetFlag(FLAGS_vocab));
+  std::unique_ptr<RoutingOverride> routing;
+  const std::string trace_path = absl::GetFlag(FLAGS_routing_trace);
+  if (!trace_path.empty()) {
+    auto r = RoutingOverride::FromFile(trace_path, cfg, {});
+    if (!r.ok()) {
+      std::fprintf(stderr,
+                   "%s\n(the random model's shape comes from --layers, --experts and --top_k)\n",
+                   r.status().ToString().c_str());
+      return 2;
+    }
+    routing = *std::move(r);
+    const moe_cache::Trace& t = routing->trace();
+    std::printf("routing: %s, %d tokens x %d MoE layers x top-%d of %d experts, forced at the "
+                "router; %s\n",
+                trace_path.c_str(), t.tokens, t.layers, t.k, cfg.num_experts,
+                routing->calibration().Summary().c_str());
+    std::fflush(stdout);
+  }
   const int P = absl::GetFlag(FLAGS_prefill_tokens), S = absl::GetFlag(FLAGS_decode_steps),
             C = absl::GetFlag(FLAGS_context);
   const int max_batch = *std::max_element(batches.begin(), batches.end());
@@ -129,6 +169,9 @@ int Run() {
   nlohmann::json out;
   out["threads"] = threads;
   out["layers"] = cfg.num_hidden_layers;
+  out["top_k"] = cfg.num_experts_per_tok;
+  out["routing"] = routing ? trace_path : "router";
+  if (routing) out["routing_calibration"] = routing->calibration().Summary();
   out["cpu_moe_targets"] = cpu_moe::AvailableTargets();
   for (absl::string_view fname : absl::StrSplit(absl::GetFlag(FLAGS_formats), ',')) {
     auto format = common::ParseWeightFormat(std::string_view(fname.data(), fname.size()));
@@ -177,9 +220,12 @@ int Run() {
       const std::vector<int32_t> prompt = tokens(P, 1);
       Model::Chunk ch{prompt, 0, &table, Model::Logits::kLast};
       std::vector<float> logits;
+      (*model)->set_routing_override(routing.get());
+      if (routing) routing->Rewind();
       if (!(*model)->Forward({&ch, 1}, kv->get(), &logits).ok()) return 1;
       const uint64_t u0 = backend.total_unique_experts();
       const double gbps = probe.Measure(3);
+      if (routing) routing->Rewind();
       const auto t1 = Clock::now();
       logits.clear();
       if (!(*model)->Forward({&ch, 1}, kv->get(), &logits).ok()) return 1;
@@ -196,9 +242,14 @@ int Run() {
       c.tok_s = P / c.seconds;
       c.roofline_tok_s = gbps * 1e9 / c.bytes_per_token;
       c.fraction = c.tok_s / c.roofline_tok_s;
+      if (routing) {
+        c.trace_tokens = routing->trace_tokens_served();
+        c.synthetic_tokens = routing->synthetic_tokens_served();
+      }
       Print(c);
       cases.push_back(c);
       (*kv)->Free(&table);
+      (*model)->set_routing_override(nullptr);
     }
     // Decode at each batch size: B sequences of C prompt tokens, then S timed steps.
     for (int B : batches) {
@@ -218,6 +269,9 @@ int Run() {
       const double gbps = probe.Measure(3);
       const uint64_t u0 = backend.total_unique_experts();
       double kv_bytes = 0;
+      // Row b of step s is trace token s * B + b (Forward takes rows in chunk order).
+      (*model)->set_routing_override(routing.get());
+      if (routing) routing->Rewind();
       const auto t1 = Clock::now();
       for (int step = 0; step < S; ++step) {
         chunks.clear();
@@ -246,6 +300,11 @@ int Run() {
       c.tok_s = c.tokens / c.seconds;
       c.roofline_tok_s = gbps * 1e9 / c.bytes_per_token;
       c.fraction = c.tok_s / c.roofline_tok_s;
+      if (routing) {
+        c.trace_tokens = routing->trace_tokens_served();
+        c.synthetic_tokens = routing->synthetic_tokens_served();
+      }
+      (*model)->set_routing_override(nullptr);
       Print(c);
       cases.push_back(c);
       for (auto& t : tables) (*kv)->Free(&t);
@@ -262,7 +321,9 @@ int Run() {
                             {"dram_read_gbps", c.dram_gbps},
                             {"roofline_tok_s", c.roofline_tok_s},
                             {"fraction_of_roofline", c.fraction},
-                            {"distinct_experts_per_layer", c.unique_experts_per_layer}});
+                            {"distinct_experts_per_layer", c.unique_experts_per_layer},
+                            {"trace_tokens", c.trace_tokens},
+                            {"synthetic_tokens", c.synthetic_tokens}});
   }
   const std::string path = absl::GetFlag(FLAGS_json);
   if (!path.empty()) std::ofstream(path) << out.dump(2) << "\n";
@@ -273,6 +334,21 @@ int Run() {
 }  // namespace moe::engine
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  // Accept dashed flag names (--routing-trace): '-' becomes '_' in the name part.
+  std::vector<std::string> args(argv, argv + argc);
+  std::vector<char*> argp;
+  bool after_dashdash = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string& a = args[i];
+    after_dashdash |= i > 0 && a == "--";
+    if (i > 0 && !after_dashdash && a.size() > 2 && a[0] == '-') {
+      const size_t end = std::min(a.find('='), a.size());
+      for (size_t j = a[1] == '-' ? 2 : 1; j < end; ++j) {
+        if (a[j] == '-') a[j] = '_';
+      }
+    }
+    argp.push_back(a.data());
+  }
+  absl::ParseCommandLine(static_cast<int>(argp.size()), argp.data());
   return moe::engine::Run();
 }

@@ -87,6 +87,15 @@ absl::Status Model::MoeBlock(const LayerWeights& lw, int rows, const float* x, f
       sum += p[e];
     }
     for (int e = 0; e < E; ++e) p[e] /= sum;
+    if (routing_ != nullptr) {
+      const size_t at = static_cast<size_t>(r) * K;
+      std::copy_n(forced_ids_.data() + (static_cast<size_t>(lw.moe_index) * rows + r) * K, K,
+                  route_ids_.data() + at);
+      RETURN_IF_ERROR(ForcedRouteWeights(p, absl::MakeConstSpan(route_ids_.data() + at, K),
+                                         c.norm_topk_prob,
+                                         absl::MakeSpan(route_w_.data() + at, K)));
+      continue;
+    }
     std::iota(order.begin(), order.end(), 0);
     std::partial_sort(order.begin(), order.begin() + K, order.end(),
                       [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
@@ -140,6 +149,15 @@ absl::Status Model::Forward(absl::Span<const Chunk> chunks, KvCache* kv,
     rows += static_cast<int>(ch.tokens.size());
   }
   if (rows == 0) return absl::OkStatus();
+  if (routing_ != nullptr) {
+    if (routing_->moe_layers() != c.NumMoeLayers() || routing_->k() != c.num_experts_per_tok) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "routing override of ", routing_->moe_layers(), " MoE layers x top-", routing_->k(),
+          " for a model of ", c.NumMoeLayers(), " x top-", c.num_experts_per_tok));
+    }
+    forced_ids_.resize(static_cast<size_t>(c.NumMoeLayers()) * rows * c.num_experts_per_tok);
+    RETURN_IF_ERROR(routing_->Next(rows, absl::MakeSpan(forced_ids_)));
+  }
   const size_t T = rows;
   h_.resize(T * H);
   xn_.resize(T * H);

@@ -24,6 +24,7 @@
 #include "engine/kv_cache.h"
 #include "engine/model_weights.h"
 #include "engine/rope.h"
+#include "engine/routing_override.h"
 
 namespace moe::engine {
 
@@ -55,6 +56,13 @@ class Model {
   const ModelConfig& config() const { return w_.config; }
   int max_positions() const { return rope_->max_positions(); }
 
+  // Benchmarks: every later Forward takes its routed expert ids from `routing` (one trace token
+  // per row, rows in chunk order) instead of the router's top-k; the weights are the router's
+  // probabilities at those ids (ForcedRouteWeights). Borrowed (must outlive its use); nullptr
+  // restores the router's own choice. Forward fails (InvalidArgument) if its layers or k differ
+  // from the model's.
+  void set_routing_override(RoutingOverride* routing) { routing_ = routing; }
+
  private:
   Model(const ModelWeights* weights, ExpertBackend* experts, common::ThreadPool* pool,
         bool deterministic);
@@ -66,11 +74,13 @@ class Model {
   ExpertBackend* experts_;
   common::ThreadPool* pool_;
   bool deterministic_;
+  RoutingOverride* routing_ = nullptr;
   std::unique_ptr<RopeTable> rope_;
   DenseLinear dense_;
   // Scratch, grown as needed.
   std::vector<float> h_, xn_, q_, k_, v_, attn_, gate_, up_, mlp_out_, router_, route_w_, sgate_;
   std::vector<int32_t> route_ids_, positions_;
+  std::vector<int32_t> forced_ids_;  // [moe_layers, rows, k] from routing_ for this Forward
   std::vector<const int32_t*> tables_;
 };
 
