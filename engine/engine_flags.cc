@@ -1,5 +1,6 @@
 #include "engine/engine_flags.h"
 
+#include <cmath>
 #include <deque>
 #include <string>
 #include <vector>
@@ -9,6 +10,9 @@
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status.h"
+#include "moe_cache/policy_core.h"
 
 ABSL_FLAG(std::string, model, "",
           "Hugging Face model folder (config.json, *.safetensors, tokenizer.json); empty: the "
@@ -16,13 +20,28 @@ ABSL_FLAG(std::string, model, "",
 ABSL_FLAG(std::string, expert_format, "bf16",
           "format of the routed experts in memory: bf16, fp8_block, q4_0, nvfp4, mxfp4");
 ABSL_FLAG(int, threads, 0, "worker threads; 0: physical cores");
-ABSL_FLAG(int, max_batch, 64, "sequences per step");
+ABSL_FLAG(int, max_batch, 64,
+          "sequences per step (the GPU engine sizes its KV cache for max_batch sequences of "
+          "max_context tokens)");
 ABSL_FLAG(int, max_context, 0,
           "tokens per sequence (prompt + output); 0: min(max_position_embeddings, 4096)");
 ABSL_FLAG(int, kv_blocks, 0, "KV cache blocks of 16 tokens; 0: sized from max_batch and context");
 ABSL_FLAG(int, prefill_chunk, 256, "prompt tokens of one sequence per step");
 ABSL_FLAG(bool, deterministic, false,
           "results of a sequence independent of the batch (fixed kernels; slower)");
+ABSL_FLAG(double, gpu_expert_budget_gb, 0,
+          "GPU engine: GiB of GPU memory for the expert cache's slots (at least top_k slots per "
+          "MoE layer, at most every expert); 0: automatic, what is left after dense weights, "
+          "the KV cache for --max_context x --max_batch, scratch and a safety reserve. The CPU "
+          "engine ignores it");
+ABSL_FLAG(std::string, moe_cache_policy, "scored",
+          "GPU engine: the expert cache's eviction policy: lru (least recently used), lfu "
+          "(lowest decayed frequency), scored (largest expected time to next use), pinned "
+          "(scored, plus the hottest experts pinned, re-chosen every --adapt_every steps). The "
+          "CPU engine ignores it");
+ABSL_FLAG(int, adapt_every, 16,
+          "GPU engine with --moe_cache_policy pinned: decode steps between re-choosing the "
+          "pinned hot experts. The CPU engine ignores it");
 
 namespace moe::engine {
 
@@ -46,7 +65,41 @@ absl::StatusOr<ModelEngineOptions> ModelEngineOptionsFromFlags() {
   if (options.prefill_chunk < 1) {
     return bad("prefill_chunk", options.prefill_chunk, "must be >= 1");
   }
+  RETURN_IF_ERROR(GpuEngineOptionsFromFlags().status());
   return options;
+}
+
+const std::vector<std::string>& MoeCachePolicyNames() {
+  static const auto* names = new std::vector<std::string>{"lru", "lfu", "scored", "pinned"};
+  return *names;
+}
+
+absl::StatusOr<GpuEngineOptions> GpuEngineOptionsFromFlags() {
+  GpuEngineOptions o;
+  o.expert_budget_gb = absl::GetFlag(FLAGS_gpu_expert_budget_gb);
+  if (!std::isfinite(o.expert_budget_gb) || o.expert_budget_gb < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--gpu_expert_budget_gb=", o.expert_budget_gb,
+                                                   ": must be >= 0 (0: automatic)"));
+  }
+  const std::string policy = absl::GetFlag(FLAGS_moe_cache_policy);
+  if (policy == "lru") {
+    o.cache_policy = moe_cache::kPolicyLru;
+  } else if (policy == "lfu") {
+    o.cache_policy = moe_cache::kPolicyLfu;
+  } else if (policy == "scored" || policy == "pinned") {
+    o.cache_policy = moe_cache::kPolicyScored;
+    o.pin_hot_experts = policy == "pinned";
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--moe_cache_policy=", policy,
+                                                   ": must be one of ",
+                                                   absl::StrJoin(MoeCachePolicyNames(), ", ")));
+  }
+  o.adapt_every = absl::GetFlag(FLAGS_adapt_every);
+  if (o.adapt_every < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--adapt_every=", o.adapt_every, ": must be >= 1"));
+  }
+  return o;
 }
 
 std::vector<char*> ParseCommandLine(int argc, char** argv, const char* usage) {

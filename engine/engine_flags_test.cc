@@ -1,7 +1,10 @@
-// ParseCommandLine accepts dashed flag names, and the flags become ModelEngineOptions.
+// ParseCommandLine accepts dashed flag names, and the flags become ModelEngineOptions and
+// GpuEngineOptions; bad values name their flag.
 #include "engine/engine_flags.h"
 
+#include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -17,6 +20,10 @@ TEST(EngineFlagsTest, DashedNamesAndValuesReachTheOptions) {
                                    "8",
                                    "--kv_blocks=100",
                                    "--deterministic",
+                                   "--gpu-expert-budget-gb=12.5",
+                                   "--moe-cache-policy",
+                                   "pinned",
+                                   "--adapt-every=32",
                                    "positional",
                                    "--",
                                    "--not-a-flag"};
@@ -33,6 +40,15 @@ TEST(EngineFlagsTest, DashedNamesAndValuesReachTheOptions) {
   ASSERT_EQ(rest.size(), 3u);
   EXPECT_EQ(std::string(rest[1]), "positional");
   EXPECT_EQ(std::string(rest[2]), "--not-a-flag");  // after "--": left alone
+  auto g = GpuEngineOptionsFromFlags();
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->expert_budget_gb, 12.5);
+  EXPECT_EQ(g->cache_policy, moe_cache::kPolicyScored);
+  EXPECT_TRUE(g->pin_hot_experts);
+  EXPECT_EQ(g->adapt_every, 32);
+  absl::SetFlag(&FLAGS_gpu_expert_budget_gb, 0.0);
+  absl::SetFlag(&FLAGS_moe_cache_policy, "scored");
+  absl::SetFlag(&FLAGS_adapt_every, 16);
 }
 
 TEST(EngineFlagsTest, BadValuesNameTheFlag) {
@@ -41,6 +57,43 @@ TEST(EngineFlagsTest, BadValuesNameTheFlag) {
   EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(o.status().message().find("max_batch"), std::string::npos);
   absl::SetFlag(&FLAGS_max_batch, 64);
+}
+
+TEST(EngineFlagsTest, CachePolicyNamesMapToPolicyCoreIds) {
+  const std::pair<const char*, int32_t> policies[] = {
+      {"lru", moe_cache::kPolicyLru}, {"lfu", moe_cache::kPolicyLfu},
+      {"scored", moe_cache::kPolicyScored}};
+  for (const auto& [name, id] : policies) {
+    absl::SetFlag(&FLAGS_moe_cache_policy, name);
+    auto p = GpuEngineOptionsFromFlags();
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(p->cache_policy, id) << name;
+    EXPECT_FALSE(p->pin_hot_experts) << name;
+  }
+  absl::SetFlag(&FLAGS_moe_cache_policy, "scored");
+}
+
+TEST(EngineFlagsTest, BadGpuEngineFlagsNameTheFlag) {
+  auto expect_error = [](const std::string& flag, const std::string& want) {
+    auto o = GpuEngineOptionsFromFlags();
+    ASSERT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument) << flag;
+    EXPECT_NE(o.status().message().find(want), std::string::npos) << o.status();
+    // The CPU engine's options fail on them too: a typo never passes silently.
+    EXPECT_EQ(ModelEngineOptionsFromFlags().status().code(), absl::StatusCode::kInvalidArgument);
+  };
+  absl::SetFlag(&FLAGS_moe_cache_policy, "mru");
+  expect_error("moe_cache_policy", "--moe_cache_policy=mru: must be one of lru, lfu, scored, pinned");
+  absl::SetFlag(&FLAGS_moe_cache_policy, "scored");
+  absl::SetFlag(&FLAGS_gpu_expert_budget_gb, -1.0);
+  expect_error("gpu_expert_budget_gb", "--gpu_expert_budget_gb=-1: must be >= 0");
+  absl::SetFlag(&FLAGS_gpu_expert_budget_gb, std::nan(""));
+  expect_error("gpu_expert_budget_gb", "--gpu_expert_budget_gb=nan");
+  absl::SetFlag(&FLAGS_gpu_expert_budget_gb, 0.0);
+  absl::SetFlag(&FLAGS_adapt_every, 0);
+  expect_error("adapt_every", "--adapt_every=0: must be >= 1");
+  absl::SetFlag(&FLAGS_adapt_every, 16);
+  EXPECT_TRUE(GpuEngineOptionsFromFlags().ok());
+  EXPECT_TRUE(ModelEngineOptionsFromFlags().ok());
 }
 
 }  // namespace

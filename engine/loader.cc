@@ -554,6 +554,13 @@ uint64_t SourceBytes(const MatrixSource& s) {
 
 }  // namespace
 
+absl::StatusOr<moe_cache::BankLayout> ExpertBankLayout(WeightFormat format, int64_t hidden,
+                                                       int64_t moe_intermediate) {
+  Banks banks;
+  bool padded_scales = false;
+  return MakeLayout(format, hidden, moe_intermediate, &banks, &padded_scales);
+}
+
 absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
                                                         const LoadOptions& options) {
   // The clock runs from the start: checking the files and allocating the store count too.

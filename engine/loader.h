@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "common/formats.h"
 #include "engine/model_weights.h"
+#include "moe_cache/gpu/bank_layout.h"
 
 namespace moe::engine {
 
@@ -35,6 +36,12 @@ struct LoadOptions {
 
 absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
                                                         const LoadOptions& options);
+
+// The bank layout of one routed expert in `format` for hidden size `hidden` and
+// moe_intermediate_size `moe_intermediate`: exactly what LoadModel's ExpertStore holds per expert,
+// and what one GPU cache slot takes (padded_bytes_per_expert()).
+absl::StatusOr<moe_cache::BankLayout> ExpertBankLayout(common::WeightFormat format, int64_t hidden,
+                                                       int64_t moe_intermediate);
 
 }  // namespace moe::engine
 
