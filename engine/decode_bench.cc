@@ -141,9 +141,8 @@ int Run() {
     }
     batches.push_back(b);
   }
-  const ModelConfig cfg =
-      Qwen3_30B_A3B(absl::GetFlag(FLAGS_layers), absl::GetFlag(FLAGS_experts),
-                    absl::GetFlag(FLAGS_top_k), absl::GetFlag(FLAGS_vocab));
+  const ModelConfig cfg = Qwen3_30B_A3B(absl::GetFlag(FLAGS_layers), absl::GetFlag(FLAGS_experts),
+                                        absl::GetFlag(FLAGS_top_k), absl::GetFlag(FLAGS_vocab));
   std::unique_ptr<RoutingOverride> routing;
   const std::string trace_path = absl::GetFlag(FLAGS_routing_trace);
   if (!trace_path.empty()) {
@@ -156,10 +155,11 @@ int Run() {
     }
     routing = *std::move(r);
     const moe_cache::Trace& t = routing->trace();
-    std::printf("routing: %s, %d tokens x %d MoE layers x top-%d of %d experts, forced at the "
-                "router; %s\n",
-                trace_path.c_str(), t.tokens, t.layers, t.k, cfg.num_experts,
-                routing->calibration().Summary().c_str());
+    std::printf(
+        "routing: %s, %d tokens x %d MoE layers x top-%d of %d experts, forced at the "
+        "router; %s\n",
+        trace_path.c_str(), t.tokens, t.layers, t.k, cfg.num_experts,
+        routing->calibration().Summary().c_str());
     std::fflush(stdout);
   }
   const int P = absl::GetFlag(FLAGS_prefill_tokens), S = absl::GetFlag(FLAGS_decode_steps),

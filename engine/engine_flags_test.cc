@@ -60,9 +60,9 @@ TEST(EngineFlagsTest, BadValuesNameTheFlag) {
 }
 
 TEST(EngineFlagsTest, CachePolicyNamesMapToPolicyCoreIds) {
-  const std::pair<const char*, int32_t> policies[] = {
-      {"lru", moe_cache::kPolicyLru}, {"lfu", moe_cache::kPolicyLfu},
-      {"scored", moe_cache::kPolicyScored}};
+  const std::pair<const char*, int32_t> policies[] = {{"lru", moe_cache::kPolicyLru},
+                                                      {"lfu", moe_cache::kPolicyLfu},
+                                                      {"scored", moe_cache::kPolicyScored}};
   for (const auto& [name, id] : policies) {
     absl::SetFlag(&FLAGS_moe_cache_policy, name);
     auto p = GpuEngineOptionsFromFlags();
@@ -82,7 +82,8 @@ TEST(EngineFlagsTest, BadGpuEngineFlagsNameTheFlag) {
     EXPECT_EQ(ModelEngineOptionsFromFlags().status().code(), absl::StatusCode::kInvalidArgument);
   };
   absl::SetFlag(&FLAGS_moe_cache_policy, "mru");
-  expect_error("moe_cache_policy", "--moe_cache_policy=mru: must be one of lru, lfu, scored, pinned");
+  expect_error("moe_cache_policy",
+               "--moe_cache_policy=mru: must be one of lru, lfu, scored, pinned");
   absl::SetFlag(&FLAGS_moe_cache_policy, "scored");
   absl::SetFlag(&FLAGS_gpu_expert_budget_gb, -1.0);
   expect_error("gpu_expert_budget_gb", "--gpu_expert_budget_gb=-1: must be >= 0");

@@ -79,9 +79,11 @@ std::string GpuMemoryPlan::Summary() const {
   std::string s = absl::StrCat(
       "GPU memory plan for ", FormatBytes(free_bytes), " free: dense weights ",
       FormatBytes(dense.total()), " in bf16 (embeddings ", FormatBytes(dense.embeddings),
-      dense.lm_head == 0 ? ", tied LM head" : absl::StrCat(", LM head ", FormatBytes(dense.lm_head)),
+      dense.lm_head == 0 ? ", tied LM head"
+                         : absl::StrCat(", LM head ", FormatBytes(dense.lm_head)),
       ", attention ", FormatBytes(dense.attention), ", router ", FormatBytes(dense.router));
-  if (dense.shared_expert > 0) absl::StrAppend(&s, ", shared experts ", FormatBytes(dense.shared_expert));
+  if (dense.shared_expert > 0)
+    absl::StrAppend(&s, ", shared experts ", FormatBytes(dense.shared_expert));
   if (dense.dense_mlp > 0) absl::StrAppend(&s, ", dense MLPs ", FormatBytes(dense.dense_mlp));
   absl::StrAppend(&s, "); KV cache ", FormatBytes(kv_bytes), ", ", kv_blocks, " blocks of ",
                   kv_block_size, " tokens (--max-context ", max_context, " x --max-batch ",
@@ -89,14 +91,14 @@ std::string GpuMemoryPlan::Summary() const {
                   FormatBytes(workspace_bytes), ", activations of ", max_step_tokens, " tokens ",
                   FormatBytes(activation_bytes), ")");
   if (moe_layers > 0) {
-    absl::StrAppend(
-        &s, "; expert cache ", slots_per_layer, " slots per MoE layer x ", moe_layers,
-        " layers = ", total_slots(), " slots of ", FormatBytes(slot_bytes), " (",
-        std::string(common::WeightFormatName(expert_format)), ") = ", FormatBytes(expert_bytes),
-        automatic_budget ? " (automatic budget)"
-                         : (budget_capped ? " (the budget holds every expert)" : ""),
-        ": ", absl::StrFormat("%.1f%%", 100.0 * resident_fraction()), " of the ",
-        moe_layers * experts_per_layer, " routed experts resident");
+    absl::StrAppend(&s, "; expert cache ", slots_per_layer, " slots per MoE layer x ", moe_layers,
+                    " layers = ", total_slots(), " slots of ", FormatBytes(slot_bytes), " (",
+                    std::string(common::WeightFormatName(expert_format)),
+                    ") = ", FormatBytes(expert_bytes),
+                    automatic_budget ? " (automatic budget)"
+                                     : (budget_capped ? " (the budget holds every expert)" : ""),
+                    ": ", absl::StrFormat("%.1f%%", 100.0 * resident_fraction()), " of the ",
+                    moe_layers * experts_per_layer, " routed experts resident");
   }
   absl::StrAppend(&s, "; ", FormatBytes(left_bytes()), " left free (safety reserve ",
                   FormatBytes(safety_reserve_bytes), ").");
@@ -109,8 +111,8 @@ absl::StatusOr<GpuMemoryPlan> PlanGpuMemory(const ModelConfig& c, const GpuMemor
   if (r.max_context < 0) return bad("--max-context ", r.max_context, ": must be >= 0");
   if (r.max_step_tokens < 0) return bad("max_step_tokens ", r.max_step_tokens, " must be >= 0");
   if (r.kv_block_size < 1 || r.kv_bytes_per_element < 1) {
-    return bad("KV block size ", r.kv_block_size, " and bytes per element ",
-               r.kv_bytes_per_element, " must be >= 1");
+    return bad("KV block size ", r.kv_block_size, " and bytes per element ", r.kv_bytes_per_element,
+               " must be >= 1");
   }
   if (!std::isfinite(r.expert_budget_gib) || r.expert_budget_gib < 0) {
     return bad("--gpu-expert-budget-gb ", r.expert_budget_gib, ": must be >= 0 (0: automatic)");
@@ -119,14 +121,13 @@ absl::StatusOr<GpuMemoryPlan> PlanGpuMemory(const ModelConfig& c, const GpuMemor
   GpuMemoryPlan p;
   p.free_bytes = r.gpu_free_bytes;
   p.max_batch = r.max_batch;
-  p.max_context = r.max_context > 0 ? r.max_context
-                                    : std::min(c.max_position_embeddings > 0
-                                                   ? c.max_position_embeddings
-                                                   : 4096,
-                                               4096);
+  p.max_context =
+      r.max_context > 0
+          ? r.max_context
+          : std::min(c.max_position_embeddings > 0 ? c.max_position_embeddings : 4096, 4096);
   if (c.max_position_embeddings > 0 && p.max_context > c.max_position_embeddings) {
-    return bad("--max-context ", p.max_context, " exceeds the model's ",
-               c.max_position_embeddings, " positions");
+    return bad("--max-context ", p.max_context, " exceeds the model's ", c.max_position_embeddings,
+               " positions");
   }
   p.max_step_tokens = r.max_step_tokens > 0 ? r.max_step_tokens : r.max_batch;
   p.safety_reserve_bytes = r.safety_reserve_bytes;
@@ -157,7 +158,8 @@ absl::StatusOr<GpuMemoryPlan> PlanGpuMemory(const ModelConfig& c, const GpuMemor
   p.kv_block_size = r.kv_block_size;
   const int64_t per_seq = (int64_t{p.max_context} + r.kv_block_size - 1) / r.kv_block_size;
   const int64_t blocks = per_seq * r.max_batch;
-  if (blocks > std::numeric_limits<int>::max()) return bad("--max-context x --max-batch needs too many KV blocks");
+  if (blocks > std::numeric_limits<int>::max())
+    return bad("--max-context x --max-batch needs too many KV blocks");
   p.kv_blocks = static_cast<int>(blocks);
   p.kv_block_bytes = 2 * U(c.num_hidden_layers) * U(c.num_key_value_heads) * U(r.kv_block_size) *
                      U(c.head_dim) * U(r.kv_bytes_per_element);
@@ -183,8 +185,7 @@ absl::StatusOr<GpuMemoryPlan> PlanGpuMemory(const ModelConfig& c, const GpuMemor
   const uint64_t available = After(free, used_scratch + p.kv_bytes);
   const std::string fmt(common::WeightFormatName(r.expert_format));
   if (p.automatic_budget) {
-    p.slots_per_layer =
-        static_cast<int>(std::min<uint64_t>(U(c.num_experts), available / row));
+    p.slots_per_layer = static_cast<int>(std::min<uint64_t>(U(c.num_experts), available / row));
     if (p.slots_per_layer < p.top_k) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "expert cache: top-", p.top_k, " routing needs at least ", p.top_k,
@@ -200,8 +201,8 @@ absl::StatusOr<GpuMemoryPlan> PlanGpuMemory(const ModelConfig& c, const GpuMemor
       return bad("--gpu-expert-budget-gb ", r.expert_budget_gib, " holds ", slots,
                  " expert slots per MoE layer (", p.moe_layers, " layers x ",
                  FormatBytes(p.slot_bytes), " per ", fmt, " expert); top-", p.top_k,
-                 " routing needs at least ", p.top_k, " per layer: ",
-                 FormatBytes(U(p.top_k) * row));
+                 " routing needs at least ", p.top_k,
+                 " per layer: ", FormatBytes(U(p.top_k) * row));
     }
     p.budget_capped = slots > U(c.num_experts);
     p.slots_per_layer = static_cast<int>(std::min<uint64_t>(slots, U(c.num_experts)));

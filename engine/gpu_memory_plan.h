@@ -25,13 +25,14 @@ namespace moe::engine {
 
 struct GpuMemoryRequest {
   common::WeightFormat expert_format = common::WeightFormat::kBf16;
-  uint64_t gpu_free_bytes = 0;  // the device's free memory before the engine allocates
+  uint64_t gpu_free_bytes = 0;   // the device's free memory before the engine allocates
   double expert_budget_gib = 0;  // bytes for expert slots, in GiB; 0: automatic
   // Tokens per sequence; 0: min(max_position_embeddings, 4096), as the CPU engine.
   int max_context = 0;
-  int max_batch = 0;        // sequences per step
-  int max_step_tokens = 0;  // rows of the largest forward (decode batch, prefill chunk); 0: max_batch
-  int kv_block_size = 16;   // tokens per KV block
+  int max_batch = 0;  // sequences per step
+  int max_step_tokens =
+      0;  // rows of the largest forward (decode batch, prefill chunk); 0: max_batch
+  int kv_block_size = 16;        // tokens per KV block
   int kv_bytes_per_element = 2;  // bf16 keys and values
   // cuBLAS workspaces, graph memory, attention partials: a fixed reserve inside scratch.
   uint64_t workspace_reserve_bytes = uint64_t{512} << 20;
@@ -42,7 +43,7 @@ struct GpuMemoryRequest {
 // Dense weights on the GPU, in bytes (bf16).
 struct DenseWeightBytes {
   uint64_t embeddings = 0;
-  uint64_t lm_head = 0;  // 0 when tied to the embeddings (counted once)
+  uint64_t lm_head = 0;    // 0 when tied to the embeddings (counted once)
   uint64_t attention = 0;  // q, k, v, o projections, their biases, q/k norms
   uint64_t norms = 0;      // per-layer and final RMSNorm weights
   uint64_t router = 0;
@@ -58,7 +59,7 @@ struct GpuMemoryPlan {
   DenseWeightBytes dense;
   int max_context = 0, max_batch = 0;
   int kv_block_size = 0;
-  int kv_blocks = 0;  // max_batch * ceil(max_context / kv_block_size)
+  int kv_blocks = 0;            // max_batch * ceil(max_context / kv_block_size)
   uint64_t kv_block_bytes = 0;  // all layers, K and V
   uint64_t kv_bytes = 0;
   uint64_t workspace_bytes = 0;
@@ -68,7 +69,7 @@ struct GpuMemoryPlan {
   int experts_per_layer = 0;
   int top_k = 0;
   int slots_per_layer = 0;
-  uint64_t slot_bytes = 0;  // one expert, padded as in the ExpertStore
+  uint64_t slot_bytes = 0;    // one expert, padded as in the ExpertStore
   uint64_t expert_bytes = 0;  // slots_per_layer * moe_layers * slot_bytes
   bool automatic_budget = false;
   bool budget_capped = false;  // the given budget held more than every expert
@@ -76,7 +77,9 @@ struct GpuMemoryPlan {
   common::WeightFormat expert_format = common::WeightFormat::kBf16;
 
   uint64_t scratch_bytes() const { return workspace_bytes + activation_bytes; }
-  uint64_t planned_bytes() const { return dense.total() + kv_bytes + scratch_bytes() + expert_bytes; }
+  uint64_t planned_bytes() const {
+    return dense.total() + kv_bytes + scratch_bytes() + expert_bytes;
+  }
   // Free memory the plan leaves unused (the safety reserve included).
   uint64_t left_bytes() const { return free_bytes - planned_bytes(); }
   int total_slots() const { return slots_per_layer * moe_layers; }

@@ -143,8 +143,8 @@ TEST(GpuMemoryPlanTest, BudgetBelowTopKSlotsIsAnError) {
       << m;
   EXPECT_NE(m.find("needs at least 8 per layer: 3.38 GiB"), std::string::npos) << m;
   // Exactly top-k slots is enough.
-  auto ok = PlanGpuMemory(Qwen3_30B_A3B(),
-                          Request(kH100Free, 8.0 * 48 * kExpertBf16 / kGiB, 4096, 8));
+  auto ok =
+      PlanGpuMemory(Qwen3_30B_A3B(), Request(kH100Free, 8.0 * 48 * kExpertBf16 / kGiB, 4096, 8));
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ(ok->slots_per_layer, 8);
 }

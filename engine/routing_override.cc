@@ -205,13 +205,13 @@ absl::StatusOr<std::unique_ptr<RoutingOverride>> RoutingOverride::FromFile(
   return Create(*std::move(trace), config, options);
 }
 
-absl::StatusOr<std::unique_ptr<RoutingOverride>> RoutingOverride::Create(
-    Trace trace, const ModelConfig& config, const Options& options) {
+absl::StatusOr<std::unique_ptr<RoutingOverride>> RoutingOverride::Create(Trace trace,
+                                                                         const ModelConfig& config,
+                                                                         const Options& options) {
   if (trace.tokens <= 0) return absl::InvalidArgumentError("routing trace holds no tokens");
   if (trace.layers != config.NumMoeLayers()) {
-    return absl::InvalidArgumentError(absl::StrCat("routing trace has ", trace.layers,
-                                                   " MoE layers, the model ",
-                                                   config.NumMoeLayers()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "routing trace has ", trace.layers, " MoE layers, the model ", config.NumMoeLayers()));
   }
   if (trace.k != config.num_experts_per_tok) {
     return absl::InvalidArgumentError(
@@ -288,8 +288,7 @@ absl::Status RoutingOverride::FitAndCheck() {
   RETURN_IF_ERROR(search(z - 0.1, 0.025, 8, r - 0.05, 0.0125, 8, 4));
   calibration_.zipf = best_zipf;
   calibration_.reuse = best_reuse;
-  ASSIGN_OR_RETURN(calibration_.generator,
-                   GeneratorProfile(base, best_zipf, best_reuse, 4, slots));
+  ASSIGN_OR_RETURN(calibration_.generator, GeneratorProfile(base, best_zipf, best_reuse, 4, slots));
   RETURN_IF_ERROR(GenerateChunk(0));
   calibration_.continuation_top_eighth_share = TopEighthShare(continuation_, trace_rank_, E);
   return absl::OkStatus();

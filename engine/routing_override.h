@@ -54,8 +54,8 @@ absl::Status ForcedRouteWeights(absl::Span<const float> probs, absl::Span<const 
 // of S slots (cold misses included), and the fraction of ids that reuse an expert of the previous
 // token at their layer.
 struct ReuseProfile {
-  std::vector<int32_t> slots;     // S values, increasing
-  std::vector<double> hit_rate;   // [slots.size()] fraction of ids at distance < S
+  std::vector<int32_t> slots;       // S values, increasing
+  std::vector<double> hit_rate;     // [slots.size()] fraction of ids at distance < S
   double previous_token_reuse = 0;  // fraction of ids routed at the same layer one token before
   // Share of ids that go to each layer's most routed eighth of the experts (of this trace).
   double top_eighth_share = 0;
@@ -81,7 +81,7 @@ struct RoutingCalibration {
 class RoutingOverride {
  public:
   struct Options {
-    uint64_t seed = 1;                 // of the continuation (and of the fit's generator runs)
+    uint64_t seed = 1;                  // of the continuation (and of the fit's generator runs)
     int32_t continuation_chunk = 4096;  // tokens generated at a time past the trace's end
   };
 
@@ -92,8 +92,8 @@ class RoutingOverride {
                                                                  const ModelConfig& config,
                                                                  const Options& options);
   static absl::StatusOr<std::unique_ptr<RoutingOverride>> FromFile(const std::string& path,
-                                                                    const ModelConfig& config,
-                                                                    const Options& options);
+                                                                   const ModelConfig& config,
+                                                                   const Options& options);
 
   // The forced ids of the next `rows` tokens for every MoE layer: ids [moe_layers, rows, k]
   // (layer-major: one layer's [rows, k] block is contiguous). Advances by `rows` tokens.
@@ -126,7 +126,7 @@ class RoutingOverride {
   // Per layer, experts in decreasing trace count (ties: lower id first).
   std::vector<std::vector<int32_t>> trace_rank_;
   int64_t position_ = 0;
-  int64_t chunk_index_ = -1;   // the chunk held in continuation_
+  int64_t chunk_index_ = -1;  // the chunk held in continuation_
   moe_cache::Trace continuation_;
 };
 

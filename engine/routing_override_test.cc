@@ -116,8 +116,8 @@ struct Fixture {
     auto m = MakeRandomModel(c, o);
     EXPECT_TRUE(m.ok()) << m.status();
     rm = std::move(*m);
-    cpu = std::make_unique<CpuExpertBackend>(rm.banks, CpuExpertBackend::DefaultOptions(false, true),
-                                             &pool);
+    cpu = std::make_unique<CpuExpertBackend>(rm.banks,
+                                             CpuExpertBackend::DefaultOptions(false, true), &pool);
     rec = std::make_unique<RecordingBackend>(cpu.get(), c.hidden_size);
     auto md = Model::Create(rm.weights.get(), rec.get(), &pool, false, c.max_position_embeddings);
     EXPECT_TRUE(md.ok()) << md.status();
@@ -196,8 +196,9 @@ void CheckForcedRouting(const ModelConfig& c) {
     for (int r = 0; r < call.rows; ++r) {
       const int tok = token_of_layer[l]++;
       const int32_t* got = call.ids.data() + static_cast<size_t>(r) * k;
-      const int32_t* want =
-          tok < trace_tokens ? trace.Row(tok, l) : all.data() + (static_cast<size_t>(l) * 9 + tok) * k;
+      const int32_t* want = tok < trace_tokens
+                                ? trace.Row(tok, l)
+                                : all.data() + (static_cast<size_t>(l) * 9 + tok) * k;
       std::vector<double> p = f.Probs(l, call.x.data() + static_cast<size_t>(r) * c.hidden_size);
       double sum = 0;
       for (int j = 0; j < k; ++j) sum += want[j] >= 0 ? p[want[j]] : 0.0;
@@ -230,7 +231,8 @@ void CheckForcedRouting(const ModelConfig& c) {
   Fixture g(c);
   RunSteps(g, nullptr);
   bool differs = false;
-  for (size_t i = 0; i < g.rec->calls.size(); ++i) differs |= g.rec->calls[i].ids != f.rec->calls[i].ids;
+  for (size_t i = 0; i < g.rec->calls.size(); ++i)
+    differs |= g.rec->calls[i].ids != f.rec->calls[i].ids;
   EXPECT_TRUE(differs);
 }
 
@@ -328,7 +330,8 @@ TEST(RoutingOverrideTest, ContinuationFitsAndKeepsTheTracesHotExperts) {
     ASSERT_TRUE((*routing)->Next(rows, absl::MakeSpan(ids)).ok());
     for (int r = 0; r < rows; ++r) {
       for (int l = 0; l < L; ++l) {
-        for (int j = 0; j < k; ++j) served.push_back(ids[(static_cast<size_t>(l) * rows + r) * k + j]);
+        for (int j = 0; j < k; ++j)
+          served.push_back(ids[(static_cast<size_t>(l) * rows + r) * k + j]);
       }
     }
     done += rows;
