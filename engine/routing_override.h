@@ -115,7 +115,7 @@ class RoutingOverride {
 
  private:
   RoutingOverride(moe_cache::Trace trace, int32_t experts, const Options& options);
-  absl::Status FitAndCheck();
+  absl::Status Fit();
   // Fills continuation_ with chunk `index` (relabelled).
   absl::Status GenerateChunk(int64_t index);
 
