@@ -63,14 +63,14 @@ struct Activations {
   DeviceArray<int32_t> ids{T}, positions{T};
   DeviceArray<float> h{T * H}, xn{T * H}, q{T * NQ * HD}, k{T * NKV * HD};
   DeviceArray<uint16_t> xn_bf{T * H}, q_bf{T * NQ * HD}, act_bf{T * I};
-  DeviceArray<float> router_logits{T * E}, route_w{T * K}, gu{T * 2 * I}, shared{T * H},
-      sgate{T}, final_f32{T * H}, logits{static_cast<size_t>(T) * V};
+  DeviceArray<float> router_logits{T * E}, route_w{T * K}, gu{T * 2 * I}, shared{T * H}, sgate{T},
+      final_f32{T * H}, logits{static_cast<size_t>(T) * V};
   DeviceArray<int32_t> route_ids{T * K}, tokens{T};
   DeviceArray<uint64_t> argmax_scratch{static_cast<size_t>(ArgmaxScratchBytes(T, V) / 8 + 1)};
 
   void PoisonOutputs() {
-    for (auto* a : {&h, &xn, &q, &k, &router_logits, &route_w, &gu, &shared, &sgate, &final_f32,
-                    &logits}) {
+    for (auto* a :
+         {&h, &xn, &q, &k, &router_logits, &route_w, &gu, &shared, &sgate, &final_f32, &logits}) {
       a->Poison();
     }
     xn_bf.Poison();
@@ -87,8 +87,8 @@ struct Snapshot {
 };
 
 Snapshot Take(const Activations& a) {
-  return {a.h.Download(),         a.q.Download(),      a.k.Download(),     a.route_w.Download(),
-          a.logits.Download(),    a.route_ids.Download(), a.tokens.Download()};
+  return {a.h.Download(),      a.q.Download(),         a.k.Download(),     a.route_w.Download(),
+          a.logits.Download(), a.route_ids.Download(), a.tokens.Download()};
 }
 
 template <typename X>
@@ -155,8 +155,7 @@ absl::Status Enqueue(const Layer& L, const DeviceRopeTable& rope, DenseGemm& g, 
   RETURN_IF_ERROR(Gemm(g, a.xn_bf.get(), L.wsg.get(), a.sgate.get(), 1, H));
   RETURN_IF_ERROR(LaunchSharedExpertCombine(a.h.get(), a.shared.get(), a.sgate.get(), T, H, s));
   RETURN_IF_ERROR(LaunchAdd(a.h.get(), a.xn.get(), T * H, s));
-  RETURN_IF_ERROR(
-      LaunchRmsNorm(a.h.get(), T, H, L.w_final.get(), kEps, nullptr, a.xn_bf.get(), s));
+  RETURN_IF_ERROR(LaunchRmsNorm(a.h.get(), T, H, L.w_final.get(), kEps, nullptr, a.xn_bf.get(), s));
   RETURN_IF_ERROR(LaunchBf16ToF32(a.xn_bf.get(), T * H, a.final_f32.get(), s));
   RETURN_IF_ERROR(Gemm(g, a.xn_bf.get(), L.embed.get(), a.logits.get(), V, H));  // tied head
   return LaunchArgmax(a.logits.get(), T, V, a.argmax_scratch.get(), a.tokens.get(), s);

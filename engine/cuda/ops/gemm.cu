@@ -11,13 +11,13 @@
 namespace moe::engine::gpu {
 namespace {
 
-#define BLAS_RETURN_IF_ERROR(expr)                                                      \
-  do {                                                                                  \
-    const cublasStatus_t moe_blas_status_ = (expr);                                     \
-    if (moe_blas_status_ != CUBLAS_STATUS_SUCCESS) {                                    \
-      return absl::InternalError(absl::StrCat("cuBLAS ", cublasGetStatusName(moe_blas_status_), \
-                                              " in ", #expr));                          \
-    }                                                                                   \
+#define BLAS_RETURN_IF_ERROR(expr)                                                        \
+  do {                                                                                    \
+    const cublasStatus_t moe_blas_status_ = (expr);                                       \
+    if (moe_blas_status_ != CUBLAS_STATUS_SUCCESS) {                                      \
+      return absl::InternalError(                                                         \
+          absl::StrCat("cuBLAS ", cublasGetStatusName(moe_blas_status_), " in ", #expr)); \
+    }                                                                                     \
   } while (0)
 
 cublasHandle_t Handle(void* h) { return static_cast<cublasHandle_t>(h); }

@@ -26,7 +26,7 @@ struct GemmArgs {
   const uint16_t* w = nullptr;  // device bf16 [n, k]
   // Optional device f32 [n], added to every row (qwen2_moe's q/k/v biases); f32 output only.
   const float* bias = nullptr;
-  void* y = nullptr;            // device [rows, n]: f32, or bf16 when y_bf16
+  void* y = nullptr;  // device [rows, n]: f32, or bf16 when y_bf16
   bool y_bf16 = false;
   // y += x . W^T (f32 output only): the o projection adding into the residual stream.
   bool accumulate = false;

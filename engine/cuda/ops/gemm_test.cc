@@ -34,9 +34,8 @@ struct Case {
 };
 
 void CheckGemm(DenseGemm& gemm, Rng& rng, const Case& c) {
-  SCOPED_TRACE(::testing::Message() << "rows " << c.rows << " n " << c.n << " k " << c.k
-                                    << " bf16 " << c.y_bf16 << " bias " << c.bias << " acc "
-                                    << c.accumulate);
+  SCOPED_TRACE(::testing::Message() << "rows " << c.rows << " n " << c.n << " k " << c.k << " bf16 "
+                                    << c.y_bf16 << " bias " << c.bias << " acc " << c.accumulate);
   const float wscale = 1.0f / std::sqrt(static_cast<float>(c.k));
   const std::vector<uint16_t> x = RandomBf16(rng, static_cast<size_t>(c.rows) * c.k, -2, 2);
   const std::vector<uint16_t> w = RandomBf16(rng, static_cast<size_t>(c.n) * c.k, -wscale, wscale);
@@ -86,7 +85,8 @@ void CheckGemm(DenseGemm& gemm, Rng& rng, const Case& c) {
       // tiles, split-k) errs by at most ~k * 2^-24 of sum |x w|, typically sqrt(k) * 2^-24.
       // Allow 2e-5 of the magnitude (k <= 2048: ~sqrt(k) * 20 ulps), plus the rounding of the
       // bias/accumulator add, plus half a bf16 ulp (2^-9) when the output is bf16.
-      const double extra = (c.bias ? std::fabs(bias[j]) : 0.0) + (c.accumulate ? std::fabs(y0[at]) : 0.0);
+      const double extra =
+          (c.bias ? std::fabs(bias[j]) : 0.0) + (c.accumulate ? std::fabs(y0[at]) : 0.0);
       double tol = 2e-5 * mag + 1.2e-7 * (extra + std::fabs(ref));
       const double got = c.y_bf16 ? common::Bf16ToFloat(ybf[at]) : y[at];
       if (c.y_bf16) tol += std::ldexp(std::fabs(ref), -8);

@@ -39,8 +39,8 @@ struct Shape {
 
 // Qwen3-30B-A3B: hidden 2048, 32 q heads and 4 kv heads of 128, 128 experts, vocab 151936.
 constexpr Shape kShapes[] = {
-    {"q_proj", 4096, 2048}, {"k_proj", 512, 2048},  {"v_proj", 512, 2048},
-    {"o_proj", 2048, 4096}, {"router", 128, 2048},  {"lm_head", 151936, 2048},
+    {"q_proj", 4096, 2048}, {"k_proj", 512, 2048}, {"v_proj", 512, 2048},
+    {"o_proj", 2048, 4096}, {"router", 128, 2048}, {"lm_head", 151936, 2048},
 };
 
 double Median(std::vector<double> v) {
@@ -120,13 +120,14 @@ int Run() {
     {
       const std::vector<uint16_t> one = testing::RandomBf16(rng, wbytes / 2, -0.05f, 0.05f);
       for (size_t c = 0; c < copies; ++c) {
-        CheckCuda(cudaMemcpy(w.get() + c * (wbytes / 2), one.data(), wbytes,
-                             cudaMemcpyHostToDevice),
-                  "upload");
+        CheckCuda(
+            cudaMemcpy(w.get() + c * (wbytes / 2), one.data(), wbytes, cudaMemcpyHostToDevice),
+            "upload");
       }
     }
     for (int T : tokens) {
-      testing::DeviceArray<uint16_t> x(testing::RandomBf16(rng, static_cast<size_t>(T) * sh.k, -1, 1));
+      testing::DeviceArray<uint16_t> x(
+          testing::RandomBf16(rng, static_cast<size_t>(T) * sh.k, -1, 1));
       testing::DeviceArray<float> y(static_cast<size_t>(T) * sh.n);
       GemmArgs a;
       a.x = x.get();
@@ -158,8 +159,8 @@ int Run() {
                      "%s  {\"op\": \"%s\", \"n\": %d, \"k\": %d, \"tokens\": %d, \"median_us\": "
                      "%.3f, \"weight_gbs\": %.1f, \"copy_gbs\": %.1f, \"fraction_of_copy\": "
                      "%.4f, \"device\": \"%s\"}",
-                     first ? "" : ",\n", sh.name, sh.n, sh.k, T, med, gbs, copy_gbs,
-                     gbs / copy_gbs, prop.name);
+                     first ? "" : ",\n", sh.name, sh.n, sh.k, T, med, gbs, copy_gbs, gbs / copy_gbs,
+                     prop.name);
         first = false;
       }
     }

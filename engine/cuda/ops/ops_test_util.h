@@ -30,8 +30,7 @@ template <typename T>
 class DeviceArray {
  public:
   explicit DeviceArray(size_t n) : n_(n) {
-    CheckCuda(cudaMalloc(reinterpret_cast<void**>(&p_), (n > 0 ? n : 1) * sizeof(T)),
-              "cudaMalloc");
+    CheckCuda(cudaMalloc(reinterpret_cast<void**>(&p_), (n > 0 ? n : 1) * sizeof(T)), "cudaMalloc");
   }
   explicit DeviceArray(const std::vector<T>& host) : DeviceArray(host.size()) { Upload(host); }
   ~DeviceArray() { cudaFree(p_); }

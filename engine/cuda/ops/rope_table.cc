@@ -18,9 +18,9 @@ absl::StatusOr<RopeCosSin> BuildRopeCosSin(const RopeParams& params, int head_di
                                            int max_positions) {
   if (head_dim <= 0 || head_dim % 2 != 0 ||
       static_cast<int>(params.inv_freq.size()) != head_dim / 2 || max_positions <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rope table: head_dim ", head_dim, " (even, with ", params.inv_freq.size(),
-        " frequencies = head_dim / 2), max_positions ", max_positions));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rope table: head_dim ", head_dim, " (even, with ", params.inv_freq.size(),
+                     " frequencies = head_dim / 2), max_positions ", max_positions));
   }
   RopeCosSin t;
   t.head_dim = head_dim;

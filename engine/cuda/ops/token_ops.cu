@@ -343,12 +343,11 @@ constexpr int kElementwiseThreads = 256;
 
 }  // namespace
 
-absl::Status LaunchEmbeddingGather(const uint16_t* table, int vocab, int hidden,
-                                   const int32_t* ids, int num_tokens, float* out,
-                                   CUstream_st* stream) {
+absl::Status LaunchEmbeddingGather(const uint16_t* table, int vocab, int hidden, const int32_t* ids,
+                                   int num_tokens, float* out, CUstream_st* stream) {
   if (vocab <= 0 || hidden <= 0 || num_tokens < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("embedding: vocab ", vocab, ", hidden ",
-                                                   hidden, ", tokens ", num_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat("embedding: vocab ", vocab, ", hidden ", hidden, ", tokens ", num_tokens));
   }
   if (num_tokens == 0) return absl::OkStatus();
   EmbeddingKernel<<<num_tokens, kNormThreads, 0, stream>>>(table, vocab, hidden, ids, out);
@@ -376,8 +375,7 @@ absl::Status LaunchQkNormRope(const QkNormRopeArgs& a, CUstream_st* stream) {
   if ((a.q_norm == nullptr) != (a.k_norm == nullptr)) {
     return absl::InvalidArgumentError("qk_norm_rope: q_norm and k_norm must be set together");
   }
-  if (a.cos != nullptr &&
-      (a.sin == nullptr || a.positions == nullptr || a.max_positions <= 0)) {
+  if (a.cos != nullptr && (a.sin == nullptr || a.positions == nullptr || a.max_positions <= 0)) {
     return absl::InvalidArgumentError("qk_norm_rope: RoPE needs cos, sin, positions and a size");
   }
   const int64_t rows =
@@ -392,8 +390,8 @@ absl::Status LaunchQkNormRope(const QkNormRopeArgs& a, CUstream_st* stream) {
 absl::Status LaunchSiluMul(const float* gate_up, int num_tokens, int inter, float* out_f32,
                            uint16_t* out_bf16, CUstream_st* stream) {
   if (num_tokens < 0 || inter <= 0 || (out_f32 == nullptr && out_bf16 == nullptr)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "silu_mul: tokens ", num_tokens, ", inter ", inter, ", and at least one output"));
+    return absl::InvalidArgumentError(absl::StrCat("silu_mul: tokens ", num_tokens, ", inter ",
+                                                   inter, ", and at least one output"));
   }
   const int64_t n = static_cast<int64_t>(num_tokens) * inter;
   if (n == 0) return absl::OkStatus();
@@ -405,8 +403,7 @@ absl::Status LaunchSiluMul(const float* gate_up, int num_tokens, int inter, floa
 absl::Status LaunchAdd(float* y, const float* x, int64_t n, CUstream_st* stream) {
   if (n < 0) return absl::InvalidArgumentError(absl::StrCat("add: n ", n));
   if (n == 0) return absl::OkStatus();
-  AddKernel<<<ElementwiseBlocks(n, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(y, x,
-                                                                                          n);
+  AddKernel<<<ElementwiseBlocks(n, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(y, x, n);
   return LaunchStatus("AddKernel");
 }
 
@@ -416,20 +413,18 @@ absl::Status LaunchAddBias(float* y, int rows, int n, const float* bias, CUstrea
   }
   const int64_t total = static_cast<int64_t>(rows) * n;
   if (total == 0) return absl::OkStatus();
-  AddBiasKernel<<<ElementwiseBlocks(total, kElementwiseThreads), kElementwiseThreads, 0,
-                  stream>>>(y, total, n, bias);
+  AddBiasKernel<<<ElementwiseBlocks(total, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
+      y, total, n, bias);
   return LaunchStatus("AddBiasKernel");
 }
 
 absl::Status LaunchRouterTopK(const float* logits, int num_tokens, int num_experts, int top_k,
-                              bool renormalize, int32_t* ids, float* weights,
-                              CUstream_st* stream) {
+                              bool renormalize, int32_t* ids, float* weights, CUstream_st* stream) {
   if (num_tokens < 0 || num_experts <= 0 || num_experts > kMaxRouterExperts || top_k <= 0 ||
       top_k > kMaxRouterTopK || top_k > num_experts) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("router_topk: tokens ", num_tokens, ", experts ", num_experts,
-                     " (at most ", kMaxRouterExperts, "), top_k ", top_k, " (at most ",
-                     kMaxRouterTopK, " and the experts)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "router_topk: tokens ", num_tokens, ", experts ", num_experts, " (at most ",
+        kMaxRouterExperts, "), top_k ", top_k, " (at most ", kMaxRouterTopK, " and the experts)"));
   }
   if (num_tokens == 0) return absl::OkStatus();
   const int blocks = (num_tokens + kRouterWarpsPerBlock - 1) / kRouterWarpsPerBlock;
@@ -464,7 +459,7 @@ absl::Status LaunchArgmax(const float* logits, int num_tokens, int vocab, void* 
   const int chunks = ArgmaxChunks(vocab);
   Candidate* partial = static_cast<Candidate*>(scratch);
   ArgmaxPartialKernel<<<dim3(chunks, num_tokens), kArgmaxThreads, 0, stream>>>(logits, vocab,
-                                                                              partial);
+                                                                               partial);
   RETURN_IF_ERROR(LaunchStatus("ArgmaxPartialKernel"));
   ArgmaxFinalKernel<<<num_tokens, kArgmaxThreads, 0, stream>>>(partial, chunks, out);
   return LaunchStatus("ArgmaxFinalKernel");
@@ -473,16 +468,16 @@ absl::Status LaunchArgmax(const float* logits, int num_tokens, int vocab, void* 
 absl::Status LaunchF32ToBf16(const float* x, int64_t n, uint16_t* out, CUstream_st* stream) {
   if (n < 0) return absl::InvalidArgumentError(absl::StrCat("f32_to_bf16: n ", n));
   if (n == 0) return absl::OkStatus();
-  F32ToBf16Kernel<<<ElementwiseBlocks(n, kElementwiseThreads), kElementwiseThreads, 0,
-                    stream>>>(x, n, out);
+  F32ToBf16Kernel<<<ElementwiseBlocks(n, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
+      x, n, out);
   return LaunchStatus("F32ToBf16Kernel");
 }
 
 absl::Status LaunchBf16ToF32(const uint16_t* x, int64_t n, float* out, CUstream_st* stream) {
   if (n < 0) return absl::InvalidArgumentError(absl::StrCat("bf16_to_f32: n ", n));
   if (n == 0) return absl::OkStatus();
-  Bf16ToF32Kernel<<<ElementwiseBlocks(n, kElementwiseThreads), kElementwiseThreads, 0,
-                    stream>>>(x, n, out);
+  Bf16ToF32Kernel<<<ElementwiseBlocks(n, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
+      x, n, out);
   return LaunchStatus("Bf16ToF32Kernel");
 }
 

@@ -27,9 +27,8 @@ namespace moe::engine::gpu {
 // out[t, :] = table[ids[t], :] widened to f32. table: bf16 [vocab, hidden]; ids: int32
 // [num_tokens]; out: f32 [num_tokens, hidden]. An id outside [0, vocab) (the padding of a
 // fixed-size captured batch) gives a row of zeros.
-absl::Status LaunchEmbeddingGather(const uint16_t* table, int vocab, int hidden,
-                                   const int32_t* ids, int num_tokens, float* out,
-                                   CUstream_st* stream);
+absl::Status LaunchEmbeddingGather(const uint16_t* table, int vocab, int hidden, const int32_t* ids,
+                                   int num_tokens, float* out, CUstream_st* stream);
 
 // out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)) for `rows` rows of n (the CPU's
 // RmsNormRows). x: f32 [rows, n]; weight: f32 [n]; out_f32: f32 [rows, n] (may equal x);
@@ -87,8 +86,7 @@ absl::Status LaunchAddBias(float* y, int rows, int n, const float* bias, CUstrea
 inline constexpr int kMaxRouterExperts = 512;
 inline constexpr int kMaxRouterTopK = 16;
 absl::Status LaunchRouterTopK(const float* logits, int num_tokens, int num_experts, int top_k,
-                              bool renormalize, int32_t* ids, float* weights,
-                              CUstream_st* stream);
+                              bool renormalize, int32_t* ids, float* weights, CUstream_st* stream);
 
 // qwen2_moe's shared expert: h[t, i] += sigmoid(gate_logit[t]) * shared[t, i].
 // h, shared: f32 [num_tokens, hidden]; gate_logit: f32 [num_tokens].

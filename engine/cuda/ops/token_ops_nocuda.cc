@@ -1,7 +1,7 @@
 // token_ops.h without CUDA: the same entry points, reporting that the build has no GPU code.
-#include "engine/cuda/ops/token_ops.h"
-
 #include <string>
+
+#include "engine/cuda/ops/token_ops.h"
 
 namespace moe::engine::gpu {
 namespace {
@@ -18,7 +18,9 @@ absl::Status LaunchRmsNorm(const float*, int, int, const float*, float, float*, 
                            CUstream_st*) {
   return NoCuda("rms_norm");
 }
-absl::Status LaunchQkNormRope(const QkNormRopeArgs&, CUstream_st*) { return NoCuda("qk_norm_rope"); }
+absl::Status LaunchQkNormRope(const QkNormRopeArgs&, CUstream_st*) {
+  return NoCuda("qk_norm_rope");
+}
 absl::Status LaunchSiluMul(const float*, int, int, float*, uint16_t*, CUstream_st*) {
   return NoCuda("silu_mul");
 }
@@ -29,8 +31,7 @@ absl::Status LaunchAddBias(float*, int, int, const float*, CUstream_st*) {
 absl::Status LaunchRouterTopK(const float*, int, int, int, bool, int32_t*, float*, CUstream_st*) {
   return NoCuda("router_topk");
 }
-absl::Status LaunchSharedExpertCombine(float*, const float*, const float*, int, int,
-                                       CUstream_st*) {
+absl::Status LaunchSharedExpertCombine(float*, const float*, const float*, int, int, CUstream_st*) {
   return NoCuda("shared_expert_combine");
 }
 absl::Status LaunchArgmax(const float*, int, int, void*, int32_t*, CUstream_st*) {

@@ -94,8 +94,8 @@ TEST(TokenOpsTest, RmsNormMatchesFloat64AndTheCpuKernel) {
       DeviceArray<uint16_t> d_bf(x.size());
       d_out.Poison();
       d_bf.Poison();
-      ASSERT_TRUE(LaunchRmsNorm(d_x.get(), T, n, d_w.get(), eps, d_out.get(), d_bf.get(), nullptr)
-                      .ok());
+      ASSERT_TRUE(
+          LaunchRmsNorm(d_x.get(), T, n, d_w.get(), eps, d_out.get(), d_bf.get(), nullptr).ok());
       const std::vector<float> out = d_out.Download();
       const std::vector<uint16_t> bf = d_bf.Download();
       std::vector<float> cpu(x.size());
@@ -118,8 +118,8 @@ TEST(TokenOpsTest, RmsNormMatchesFloat64AndTheCpuKernel) {
       // In place, bf16 output only.
       DeviceArray<uint16_t> d_bf2(x.size());
       d_bf2.Poison();
-      ASSERT_TRUE(LaunchRmsNorm(d_x.get(), T, n, d_w.get(), eps, nullptr, d_bf2.get(), nullptr)
-                      .ok());
+      ASSERT_TRUE(
+          LaunchRmsNorm(d_x.get(), T, n, d_w.get(), eps, nullptr, d_bf2.get(), nullptr).ok());
       EXPECT_EQ(d_bf2.Download(), bf);
       ASSERT_TRUE(LaunchRmsNorm(d_x.get(), T, n, d_w.get(), eps, d_x.get(), nullptr, nullptr).ok());
       const std::vector<float> inplace = d_x.Download();
@@ -146,8 +146,7 @@ ModelConfig RopeConfig(bool yarn, int head_dim) {
 // The GPU's q/k path against the CPU engine's: RmsNormRows over heads, then RopeTable::Apply.
 void CheckQkNormRope(Rng& rng, bool yarn, bool norm, bool rope, int T, int nq, int nkv, int hd) {
   SCOPED_TRACE(::testing::Message() << "yarn " << yarn << " norm " << norm << " rope " << rope
-                                    << " T " << T << " heads " << nq << "/" << nkv << " hd "
-                                    << hd);
+                                    << " T " << T << " heads " << nq << "/" << nkv << " hd " << hd);
   const int max_pos = 32768;
   auto params = ComputeRopeParams(RopeConfig(yarn, hd));
   ASSERT_TRUE(params.ok()) << params.status();
@@ -308,23 +307,21 @@ void CpuRouter(const float* l, int E, int K, bool renorm, int32_t* ids, float* w
 // ties: logits drawn from four values, so many experts tie exactly (and their probabilities
 // too, on both sides); the order must then be the CPU's, id for id.
 void CheckRouter(Rng& rng, int T, int E, int K, bool renorm, bool ties) {
-  SCOPED_TRACE(::testing::Message() << "T " << T << " E " << E << " K " << K << " renorm "
-                                    << renorm << " ties " << ties);
+  SCOPED_TRACE(::testing::Message() << "T " << T << " E " << E << " K " << K << " renorm " << renorm
+                                    << " ties " << ties);
   std::vector<float> logits(static_cast<size_t>(T) * E);
   for (float& l : logits) l = ties ? 0.5f * static_cast<float>(rng.Int(4)) : rng.Uniform(-6, 6);
   DeviceArray<float> d_l(logits), d_w(static_cast<size_t>(T) * K);
   DeviceArray<int32_t> d_ids(d_w.size());
   d_w.Poison();
   d_ids.Poison();
-  ASSERT_TRUE(
-      LaunchRouterTopK(d_l.get(), T, E, K, renorm, d_ids.get(), d_w.get(), nullptr).ok());
+  ASSERT_TRUE(LaunchRouterTopK(d_l.get(), T, E, K, renorm, d_ids.get(), d_w.get(), nullptr).ok());
   const std::vector<int32_t> ids = d_ids.Download();
   const std::vector<float> w = d_w.Download();
   std::vector<int32_t> cids(K);
   std::vector<float> cw(K), p;
   for (int t = 0; t < T; ++t) {
-    CpuRouter(logits.data() + static_cast<size_t>(t) * E, E, K, renorm, cids.data(), cw.data(),
-              &p);
+    CpuRouter(logits.data() + static_cast<size_t>(t) * E, E, K, renorm, cids.data(), cw.data(), &p);
     for (int j = 0; j < K; ++j) {
       const int32_t g = ids[static_cast<size_t>(t) * K + j];
       ASSERT_GE(g, 0);
@@ -421,8 +418,7 @@ TEST(TokenOpsTest, ArgmaxTakesTheLowestIndexOfTheLargest) {
       DeviceArray<int32_t> d_out(T);
       d_out.Poison();
       d_scratch.Poison();
-      ASSERT_TRUE(
-          LaunchArgmax(d_l.get(), T, vocab, d_scratch.get(), d_out.get(), nullptr).ok());
+      ASSERT_TRUE(LaunchArgmax(d_l.get(), T, vocab, d_scratch.get(), d_out.get(), nullptr).ok());
       const std::vector<int32_t> out = d_out.Download();
       for (int t = 0; t < T; ++t) {
         const float* row = logits.data() + static_cast<size_t>(t) * vocab;
