@@ -84,7 +84,7 @@ void CheckGemm(DenseGemm& gemm, Rng& rng, const Case& c) {
       // The operands are exact in f32; f32 accumulation of k products in any order (tensor-core
       // tiles, split-k) errs by at most ~k * 2^-24 of sum |x w|, typically sqrt(k) * 2^-24.
       // Allow 2e-5 of the magnitude (k <= 4096: 5x the typical sqrt(k) * 2^-24), plus the rounding
-      // of the bias/accumulator add, plus half a bf16 ulp (2^-9) when the output is bf16.
+      // of the bias/accumulator add, plus 2^-8 of the value (twice bf16's half ulp) for bf16 out.
       const double extra =
           (c.bias ? std::fabs(bias[j]) : 0.0) + (c.accumulate ? std::fabs(y0[at]) : 0.0);
       double tol = 2e-5 * mag + 1.2e-7 * (extra + std::fabs(ref));
