@@ -39,7 +39,7 @@ ABSL_FLAG(int, hidden, 2048, "H");
 ABSL_FLAG(int, intermediate, 768, "I");
 ABSL_FLAG(int, experts, 128, "routed experts per layer (E)");
 ABSL_FLAG(int, top_k, 8, "k");
-ABSL_FLAG(int, slot_sets, 4, "layers' worth of slots (E each) rotated through");
+ABSL_FLAG(int, slot_sets, 8, "layers' worth of slots (E each) rotated through");
 ABSL_FLAG(int, route_sets, 16, "distinct route sets per case (one per graph call)");
 ABSL_FLAG(int, reps, 200, "timed single calls per case (after 10 warm-ups)");
 ABSL_FLAG(int, graph_reps, 30, "timed graph replays per case");

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cuda_status.h"
 #include "common/status.h"
+#include "engine/cuda/experts/q4_panels.h"
 #include "engine/cuda/experts/routed_experts.h"
 
 namespace moe::engine::cuda {
@@ -144,33 +145,25 @@ struct Bf16Format {
   __device__ static int RowOf(int /*lane*/, int /*r*/) { return 0; }
 };
 
-// q4_0 in cpu_moe's panels: a panel is 16 rows; per 32-column block b its codes take 256 bytes
-// (byte 64v + 4j + i: row j's columns 32b + 8v + i in the low nibble, 32b + 8v + 4 + i in the
-// high one) and its 16 fp16 scales 32 bytes, in groups of two blocks: 512 bytes of codes, then
-// 64 of scales (a last lone block: 256, then 32). A step is one group. Lane l takes block
-// 2g + (l >> 4), v = (l >> 2) & 3 and rows 4q .. 4q+3 with q = l & 3: one 16-byte load of codes
-// (one 32-bit word per row) and one 8-byte load of the four rows' scales.
+// q4_0 in cpu_moe's panels: addressing in q4_panels.h. A step is one group of two 32-column
+// blocks; each lane reads one word of codes for each of 4 rows, and their 4 fp16 scales.
 struct Q4Format {
-  static constexpr int kRowsPerBlock = 16;
+  static constexpr int kRowsPerBlock = q4_panels::kRows;
   static constexpr int kLaneRows = 4;
   struct Frag {
-    uint4 w;  // rows 4q .. 4q+3, 8 codes each
+    uint4 w;  // rows FirstRow .. +3, 8 codes each
     uint2 d;  // their fp16 scales
   };
-  __device__ static uint64_t RowBlockBytes(int K) { return static_cast<uint64_t>(K / 32) * 288; }
-  __device__ static int Steps(int K) { return (K / 32 + 1) / 2; }
+  __device__ static uint64_t RowBlockBytes(int K) { return q4_panels::PanelBytes(K); }
+  __device__ static int Steps(int K) { return q4_panels::Steps(K); }
+  // FirstColumn / 8: the lane's 8 columns are one chunk of the activation planes.
   __device__ static int Chunk(int K, int s, int lane) {
-    const int b = 2 * s + (lane >> 4);
-    return b < K / 32 ? 4 * b + ((lane >> 2) & 3) : -1;
+    return q4_panels::Block(s, lane) < K / 32 ? q4_panels::FirstColumn(s, lane) / 8 : -1;
   }
   __device__ static Frag Load(const uint8_t* panel, int K, int s, int lane) {
-    const int nb = K / 32;
-    const int blocks = min(2, nb - 2 * s);  // blocks in this group
-    const uint8_t* g = panel + static_cast<uint64_t>(s) * 576;
-    const int bp = lane >> 4, v = (lane >> 2) & 3, q = lane & 3;
     Frag f;
-    f.w = __ldcs(reinterpret_cast<const uint4*>(g + bp * 256 + v * 64 + q * 16));
-    f.d = __ldcs(reinterpret_cast<const uint2*>(g + blocks * 256 + bp * 32 + q * 8));
+    f.w = __ldcs(reinterpret_cast<const uint4*>(panel + q4_panels::CodesOffset(s, lane)));
+    f.d = __ldcs(reinterpret_cast<const uint2*>(panel + q4_panels::ScalesOffset(K, s, lane)));
     return f;
   }
   // The 8 codes of one row's word as floats q - 8, exactly: the code goes into the low mantissa
@@ -232,7 +225,7 @@ struct Q4Format {
     return v;
   }
   __device__ static bool Holds(int lane) { return lane < 4; }
-  __device__ static int RowOf(int lane, int r) { return 4 * lane + r; }
+  __device__ static int RowOf(int lane, int r) { return q4_panels::FirstRow(lane) + r; }
 };
 
 // acc[r] += row block r . activations over steps s_begin, s_begin + s_stride, ... (U per batch).
