@@ -82,9 +82,9 @@ HWY_INLINE void PfL2(const void* p) {
 #endif
 }
 // How far ahead of the current position the row kernels prefetch in the weight stream, carried
-// in MatrixRef::prefetch: l1 bytes ahead into L1 (Options::prefetch_bytes, per format by
-// default, see Options::kAuto; 0: no software prefetch) and, where l2 is not 0, a second stream
-// of prefetches l2 bytes ahead into L2 only (Options::prefetch_l2_bytes; bf16 and fp8 kernels).
+// in MatrixRef::prefetch: l1 bytes ahead into L1 (Tuning::prefetch_bytes, per format by
+// default, see internal::Tuning::kAuto; 0: no software prefetch) and, where l2 is not 0, a second stream
+// of prefetches l2 bytes ahead into L2 only (Tuning::prefetch_l2_bytes; bf16 and fp8 kernels).
 // Rows of a work item are contiguous, so the prefetch runs on into the next row; the hardware
 // prefetcher alone stalls at every 4 KiB page, and one core needs about 1-2 KiB in flight to
 // approach its share of DRAM bandwidth.
@@ -145,7 +145,7 @@ constexpr int QuantOffset() {
 }
 
 // Packed bytes at the start of a quantized row (nbytes = k / 2 in all) that the 512-bit targets
-// dot in the block-lane layout (QuantDotBlockLane) when Options::block_lane allows: whole
+// dot in the block-lane layout (QuantDotBlockLane) when Tuning::block_lane allows: whole
 // 128-byte chunks; 0 elsewhere. The rest of the row keeps the plain layout.
 constexpr size_t kBlockLaneChunk = 128;
 #if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX3
@@ -969,7 +969,7 @@ HWY_INLINE hn::Vec<DF> PanelScales(DF df, const uint8_t* HWY_RESTRICT p) {
 // (in two chains of 4, added; nvfp4: one sum per 16-column block), converted and scaled once.
 // Vectors narrower than 64 bytes take the panel's rows a slice at a time (rows [s/4, s/4 + N/4)
 // for byte offset s). Panels go two at a time within each block (NP = 4: the four streams of
-// Options::row_streams, whose 32 decoded vectors would not fit in the registers with the sums);
+// Tuning::row_streams, whose 32 decoded vectors would not fit in the registers with the sums);
 // each panel's sums are the same chain of operations whatever NP is.
 template <common::WeightFormat F, int NP, int NT>
 HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, const ActView* acts,
@@ -1091,7 +1091,7 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
 }
 
 // PanelDot for any number n of activations, NT = 8 / NP at a time (NP = 4: 2, the four
-// streams of experts with few routes, Options::row_streams).
+// streams of experts with few routes, Tuning::row_streams).
 template <common::WeightFormat F, int NP>
 HWY_INLINE void PanelDotMany(const MatrixRef& m, size_t e, const size_t* panels,
                              const ActView* acts, const float* scale, int n, float* const* out) {
@@ -2225,7 +2225,7 @@ HWY_INLINE void ApplyActivation(const Options& opt, float* HWY_RESTRICT g, float
 template <common::WeightFormat F>
 constexpr bool kFuseRows = true;
 
-// Rows per work item (Options::pass1_rows / pass2_rows, validated by Forward): gate rows (and as
+// Rows per work item (Tuning::pass1_rows / pass2_rows, validated by Forward): gate rows (and as
 // many up rows) per pass-1 item, H rows per pass-2 item (even: a pass-2 item dots its rows in
 // pairs, row p with row p + nb/2 of its block, so that each core reads two streams at once like
 // pass 1's gate and up rows; one stream of adjacent rows kept too few bytes in flight and ran
@@ -2289,6 +2289,7 @@ template <common::WeightFormat F, bool kBf16Dot = false>
 void ForwardFormat(ForwardPlan& plan) {
   const ExpertBank& bank = *plan.bank;
   const Options& opt = *plan.options;
+  const internal::Tuning& tun = *plan.tuning;
   common::ThreadPool& pool = *plan.pool;
   const size_t H = bank.hidden, I = bank.intermediate;
   const size_t R = plan.route_token.size();
@@ -2297,22 +2298,22 @@ void ForwardFormat(ForwardPlan& plan) {
   // Panel banks (Layout::kPanels): items take whole 16-row panels (the row counts rounded up).
   const bool panels = IsQuant<F>() && bank.layout == Layout::kPanels;
   auto item_rows = [panels](int rows) {
-    return static_cast<size_t>(panels ? std::min(Options::kMaxRowsPerItem, (rows + 15) / 16 * 16)
+    return static_cast<size_t>(panels ? std::min(internal::Tuning::kMaxRowsPerItem, (rows + 15) / 16 * 16)
                                       : rows);
   };
-  const size_t pass1_rows = item_rows(opt.pass1_rows);
-  const size_t pass2_rows = item_rows(opt.pass2_rows);
-  const PfDist prefetch{static_cast<size_t>(opt.prefetch_bytes),
-                       static_cast<size_t>(opt.prefetch_l2_bytes)};
-  // Row streams per item (Options::row_streams): kAuto reads four streams where a group has at
+  const size_t pass1_rows = item_rows(tun.pass1_rows);
+  const size_t pass2_rows = item_rows(tun.pass2_rows);
+  const PfDist prefetch{static_cast<size_t>(tun.prefetch_bytes),
+                       static_cast<size_t>(tun.prefetch_l2_bytes)};
+  // Row streams per item (Tuning::row_streams): kAuto reads four streams where a group has at
   // most two routes in the int8 formats, whose per-byte work is high enough that two streams
   // left too few bytes in flight (host, side by side: T=1 steps 6-10% faster with four), and two
   // otherwise (with more routes the four-row tiles halve the routes per decoded row, 11% slower
   // at 4 routes per expert; bf16 and fp8 gained nothing from four streams at T=1).
   // Panel banks take two (kAuto): four panels at once were 0.8-2.8% faster at T=1 but 1-4.7%
   // slower at T=8-16 side by side on the host (session 9, device_scripts/s9streams.sh).
-  auto streams_for = [&opt, panels](int routes) {
-    if (opt.row_streams != Options::kAuto) return opt.row_streams;
+  auto streams_for = [&tun, panels](int routes) {
+    if (tun.row_streams != internal::Tuning::kAuto) return tun.row_streams;
     return IsQuant<F>() && !panels && routes <= 2 ? 4 : 2;
   };
   // AMX (ForwardPlan::amx): experts with at least amx_min_routes routes.
@@ -2333,9 +2334,9 @@ void ForwardFormat(ForwardPlan& plan) {
   const bool f16 = kBf16Dot && F == common::WeightFormat::kFp8Block && plan.fp8_fp16;
 
   const MatrixRef gate_up{bank.gate_up_weights, bank.gate_up_scales, bank.gate_up_global_scales,
-                          2 * I, H, prefetch, opt.block_lane};
+                          2 * I, H, prefetch, tun.block_lane};
   const MatrixRef down{bank.down_weights, bank.down_scales, bank.down_global_scales, H, I,
-                       prefetch, opt.block_lane};
+                       prefetch, tun.block_lane};
   // fp8's fp16 kernels for experts with few routes (ForwardPlan::few_routes_max): the same
   // matrices read with deeper prefetches.
   const PfDist prefetch_few{static_cast<size_t>(plan.few_routes_prefetch_l1),
@@ -2365,7 +2366,7 @@ void ForwardFormat(ForwardPlan& plan) {
     }
   }
   const size_t NT = active_tokens.size();
-  ActSet<F, kBf16Dot> xacts(NT, H, opt.block_lane,
+  ActSet<F, kBf16Dot> xacts(NT, H, tun.block_lane,
                             scratch.Get(CallScratch::kXActs, ActSet<F, kBf16Dot>::Bytes(NT, H)),
                             panels);
   // x is prepared in items of kXChunk columns while there are fewer tokens than workers (whole
@@ -2410,9 +2411,9 @@ void ForwardFormat(ForwardPlan& plan) {
     }
     if (need_xacts) xacts.PrepareRange(i, xr, c0, c1);
   };
-  // Overlapped passes (Options::overlap_passes): a pass-1 item also prepares its rows of h for
+  // Overlapped passes (Tuning::overlap_passes): a pass-1 item also prepares its rows of h for
   // pass 2, which takes whole activation blocks (ActSet::Granule) per item.
-  const bool overlap = opt.overlap_passes && pass1_rows % ActSet<F>::Granule() == 0;
+  const bool overlap = tun.overlap_passes && pass1_rows % ActSet<F>::Granule() == 0;
   // With the passes overlapped and no AMX packing (which reads all of x first), preparing x is
   // part of the same fork-join: the pass-1 items start their weight streams and then wait for
   // it. Otherwise it is a fork-join of its own.
@@ -2448,7 +2449,7 @@ void ForwardFormat(ForwardPlan& plan) {
   // Pass 1: h[route, I] = act(gate x, up x); the up dots go to u first.
   float* const h = scratch.Get<float>(CallScratch::kH, R * I);
   float* const u = scratch.Get<float>(CallScratch::kU, R * I);
-  ActSet<F, kBf16Dot> hacts(R, I, opt.block_lane,
+  ActSet<F, kBf16Dot> hacts(R, I, tun.block_lane,
                             scratch.Get(CallScratch::kHActs, ActSet<F, kBf16Dot>::Bytes(R, I)),
                             panels);
   const size_t G = plan.groups.size();
@@ -2718,7 +2719,7 @@ void ForwardFormat(ForwardPlan& plan) {
   };
   // y[t, h0:h1] = (accumulate ? y : 0) + the sum of t's routes' rows of `part`, in route order.
   constexpr size_t kYBlock = 512;
-  static_assert(kYBlock >= Options::kMaxRowsPerItem, "a pass-2 block must fit in one y block");
+  static_assert(kYBlock >= internal::Tuning::kMaxRowsPerItem, "a pass-2 block must fit in one y block");
   auto reduce_y = [&](size_t t, size_t h0, size_t h1) {
     float sum[kYBlock];
     const int rb = plan.token_route_begin[t], re = plan.token_route_begin[t + 1];

@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status.h"
 #include "cpu_moe/internal/forward_plan.h"
+#include "cpu_moe/internal/tuning.h"
 #include "cpu_moe/onednn_experts.h"
 
 #undef HWY_TARGET_INCLUDE
@@ -65,7 +66,7 @@ size_t MatrixBytes(WeightFormat f, size_t rows, size_t cols) {
 
 // The Highway targets compiled into this translation unit and supported by the CPU. Detected
 // once: hwy::SupportedTargets() runs CPUID every time, which in a virtual machine traps to the
-// hypervisor (about 60 us per Forward call on the 2-core dev VM). CPU features do not change
+// hypervisor (about 60 us per Forward call on a 2-vCPU virtual machine). CPU features do not change
 // while the process runs; the env and Options switches are still read on every call.
 int64_t CompiledSupported() {
   static const int64_t supported = hwy::SupportedTargets() & HWY_TARGETS;
@@ -315,55 +316,35 @@ void EnvInt(const char* name, int* value) {
   *value = absl::SimpleAtoi(v, &n) ? n : std::numeric_limits<int>::min();
 }
 
-// Options with every kAuto tuning value replaced by the format's own (see Options::kAuto).
+// `tuning` with every kAuto value replaced by the format's own. The values were chosen by sweeps
+// and side-by-side runs on the GPU machine's host (cpu_moe/README.md, "Tuning defaults").
 // fp8_fp16: fp8's fp16 kernels will run (ForwardPlan::fp8_fp16).
-Options ResolveTuning(const Options& options, WeightFormat format, Layout layout, bool fp8_fp16) {
-  Options o = options;
-  // AMX from 5 routes per expert for fp8, from 12 for bf16. One dev-box core, weights in L3,
-  // GB/s at 1 / 4 / 8 routes: fp8 through vdpbf16ps 21 / 8.6 / 4.4, through AMX 13 / 12.5 /
-  // 11.7; bf16 through vdpbf16ps 27 / 23 / 13, through AMX 18 / 18 / 16.6. Side by side on the
-  // GPU machine's host (benchmarks/h200host_tuning_2026-11-30_session4.md): fp8 from 5 routes
-  // against from 3: T=16 4-5% faster, T=64 1-2% slower, and 16% faster than without AMX at
-  // T=64 with E=128; bf16 through AMX from 3, 4 or 6 routes was 2-12% slower than without
-  // under uniform routing. Real routing is skewed (in the recorded Qwen3-30B-A3B trace a batch
-  // of 64 has experts with 20-40 routes), and there bf16 from 8, 12 or 16 routes made T=64
-  // steps 7-8.5% faster, while uniform routing (which rarely gives an expert 12 routes) stayed
-  // within 3% (benchmarks/h200host_tuning_2026-11-30_session7.md).
-  if (o.amx_min_routes == Options::kAuto) o.amx_min_routes = format == WeightFormat::kBf16 ? 12 : 5;
+internal::Tuning ResolveTuning(const internal::Tuning& tuning, WeightFormat format, Layout layout,
+                               bool fp8_fp16) {
+  using internal::Tuning;
+  Tuning o = tuning;
   const bool four_bit = format == WeightFormat::kQ4_0 || format == WeightFormat::kNvfp4 ||
                         format == WeightFormat::kMxfp4;
-  // Side-by-side runs on the GPU machine's host (cpu_moe_bench --ab, 2026-11-30, see
-  // benchmarks/h200host_tuning_2026-11-30_session2.md): bf16 keeps 4096 bytes ahead and 16 rows
-  // (2048 / 64 lost 2-9%), fp8 gains 2-9% from 2048 / 64, the 4-bit formats keep 1024 / 64.
   const bool bf16 = format == WeightFormat::kBf16;
-  // 4-bit banks in panels read 2048 bytes ahead (session 8: 0-2.5% faster than 1024 in four of
-  // five cases side by side, with the L2 stream below).
-  if (o.prefetch_bytes == Options::kAuto) {
-    o.prefetch_bytes = four_bit ? (layout == Layout::kPanels ? 2048 : 1024) : bf16 ? 4096 : 2048;
+  const bool panels = layout == Layout::kPanels;
+  // AMX pays for its tile staging only from a few routes per expert: fp8 (whose vdpbf16ps
+  // kernel is the slower) sooner than bf16.
+  if (o.amx_min_routes == Tuning::kAuto) o.amx_min_routes = bf16 ? 12 : 5;
+  if (o.prefetch_bytes == Tuning::kAuto) {
+    o.prefetch_bytes = four_bit ? (panels ? 2048 : 1024) : bf16 ? 4096 : 2048;
   }
-  // A second prefetch stream 8192 bytes ahead into L2 for bf16 (session 6, side by side on the
-  // host, benchmarks/h200host_tuning_2026-11-30_session6.md: 0.5-10% faster steps at T=1-64 in
-  // four runs; fp8_block within +-3%, so off; the int8 formats' kernels take no L2 stream).
-  // Panel banks of the 4-bit formats (session 8, side by side on the host,
-  // benchmarks/h200host_tuning_2026-11-30_session8.md): 8192 bytes ahead into L2 made steps
-  // 3-7% faster than without at T=1-64 (q4_0, mxfp4, nvfp4).
-  if (o.prefetch_l2_bytes == Options::kAuto) {
-    o.prefetch_l2_bytes = bf16 || (four_bit && layout == Layout::kPanels) ? 8192 : 0;
+  // The L2 stream helps bf16 and panel banks; fp8 gained nothing and the row-major int8 kernels
+  // take none.
+  if (o.prefetch_l2_bytes == Tuning::kAuto) {
+    o.prefetch_l2_bytes = bf16 || (four_bit && panels) ? 8192 : 0;
   }
-  // Pass-1 rows (session 3, side by side on the host with the passes overlapped): 128 for the
-  // 4-bit formats (+2-6% over 64), 64 for bf16 (+1.5-4% over 16).
-  // Panel banks of the 4-bit formats: 256 (session 8, side by side on the host: 1.6-2.5% faster
-  // than 128 in four cases at T=1-64).
-  // fp8 through its fp16 kernels: 128 (session 12, side by side on the host: 5-8% faster than
-  // 64 in five cases at T=1-64, each item preparing a route's activations for twice the rows;
-  // the vdpbf16ps kernels gained nothing from 128).
-  if (o.pass1_rows == Options::kAuto) {
-    o.pass1_rows = four_bit ? (layout == Layout::kPanels ? 256 : 128) : fp8_fp16 ? 128 : 64;
+  // fp8's fp16 kernels prepare each route's activations per item and 128-row block: longer
+  // items amortise that.
+  if (o.pass1_rows == Tuning::kAuto) {
+    o.pass1_rows = four_bit ? (panels ? 256 : 128) : fp8_fp16 ? 128 : 64;
   }
-  // Pass 2 blocks of 128 rows of one expert (+4-9% at T=64 on the host over 64-row blocks of the
-  // old split), 256 for the 4-bit formats, whose rows are short (432 bytes): with four row
-  // streams and the passes overlapped, 0-6% faster than 128 side by side (session 3).
-  if (o.pass2_rows == Options::kAuto) o.pass2_rows = four_bit ? 256 : 128;
+  // The 4-bit formats' rows are short: longer pass-2 items keep their streams going.
+  if (o.pass2_rows == Tuning::kAuto) o.pass2_rows = four_bit ? 256 : 128;
   return o;
 }
 
@@ -436,20 +417,20 @@ void PackMatrixPanels(WeightFormat f, const void* weights, const void* scales, s
   }
 }
 
-absl::Status ValidateTuning(const Options& o) {
-  RETURN_IF_ERROR(ValidatePrefetch(o.prefetch_bytes, Options::kMaxPrefetchBytes,
+absl::Status ValidateTuning(const internal::Tuning& o) {
+  RETURN_IF_ERROR(ValidatePrefetch(o.prefetch_bytes, internal::Tuning::kMaxPrefetchBytes,
                                    "prefetch_bytes (MOE_CPU_PREFETCH_BYTES)"));
-  RETURN_IF_ERROR(ValidatePrefetch(o.prefetch_l2_bytes, Options::kMaxPrefetchL2Bytes,
+  RETURN_IF_ERROR(ValidatePrefetch(o.prefetch_l2_bytes, internal::Tuning::kMaxPrefetchL2Bytes,
                                    "prefetch_l2_bytes (MOE_CPU_PREFETCH_L2_BYTES)"));
-  if (o.pass1_rows < 1 || o.pass1_rows > Options::kMaxRowsPerItem) {
+  if (o.pass1_rows < 1 || o.pass1_rows > internal::Tuning::kMaxRowsPerItem) {
     return absl::InvalidArgumentError(absl::StrCat("pass1_rows (MOE_CPU_PASS1_ROWS) = ",
                                                    o.pass1_rows, " must be in [1, ",
-                                                   Options::kMaxRowsPerItem, "]"));
+                                                   internal::Tuning::kMaxRowsPerItem, "]"));
   }
-  if (o.pass2_rows < 2 || o.pass2_rows > Options::kMaxRowsPerItem || o.pass2_rows % 2 != 0) {
+  if (o.pass2_rows < 2 || o.pass2_rows > internal::Tuning::kMaxRowsPerItem || o.pass2_rows % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat("pass2_rows (MOE_CPU_PASS2_ROWS) = ",
                                                    o.pass2_rows, " must be even in [2, ",
-                                                   Options::kMaxRowsPerItem, "]"));
+                                                   internal::Tuning::kMaxRowsPerItem, "]"));
   }
   if (o.amx_min_routes < 0) {
     return absl::InvalidArgumentError(absl::StrCat("amx_min_routes (MOE_CPU_AMX_MIN_ROUTES) = ",
@@ -457,7 +438,7 @@ absl::Status ValidateTuning(const Options& o) {
                                                    " must be >= 0 (0: no expert through AMX) "
                                                    "or -1 (auto)"));
   }
-  if (o.row_streams != Options::kAuto && o.row_streams != 2 && o.row_streams != 4) {
+  if (o.row_streams != internal::Tuning::kAuto && o.row_streams != 2 && o.row_streams != 4) {
     return absl::InvalidArgumentError(absl::StrCat("row_streams (MOE_CPU_ROW_STREAMS) = ",
                                                    o.row_streams, " must be 2, 4 or -1 (auto)"));
   }
@@ -533,17 +514,22 @@ absl::StatusOr<std::unique_ptr<PanelBank>> PackPanels(const ExpertBank& row_majo
 Options Options::FromEnv() {
   Options o;
   EnvFlag("MOE_CPU_DEDUP", &o.dedup);
-  EnvFlag("MOE_CPU_OVERLAP", &o.overlap_passes);
-  EnvFlag("MOE_CPU_BLOCK_LANE", &o.block_lane);
   EnvFlag("MOE_CPU_DEBUG", &o.debug);
   EnvFlag("MOE_CPU_BF16_DOT", &o.bf16_dot_product);
-  EnvFlag("MOE_CPU_AMX", &o.amx);
-  EnvInt("MOE_CPU_AMX_MIN_ROUTES", &o.amx_min_routes);
-  EnvFlag("MOE_CPU_FP8_FP16", &o.fp8_fp16);
   if (const char* t = std::getenv("MOE_CPU_MAX_TARGET"); t != nullptr) o.max_target = t;
   if (const char* v = std::getenv("MOE_CPU_ONEDNN_MIN_TOKENS"); v != nullptr && *v != '\0') {
     o.onednn_min_tokens_per_expert = std::max(0, std::atoi(v));
   }
+  return o;
+}
+
+internal::Tuning internal::Tuning::FromEnv() {
+  Tuning o;
+  EnvFlag("MOE_CPU_OVERLAP", &o.overlap_passes);
+  EnvFlag("MOE_CPU_BLOCK_LANE", &o.block_lane);
+  EnvFlag("MOE_CPU_AMX", &o.amx);
+  EnvInt("MOE_CPU_AMX_MIN_ROUTES", &o.amx_min_routes);
+  EnvFlag("MOE_CPU_FP8_FP16", &o.fp8_fp16);
   EnvInt("MOE_CPU_PREFETCH_BYTES", &o.prefetch_bytes);
   EnvInt("MOE_CPU_PREFETCH_L2_BYTES", &o.prefetch_l2_bytes);
   EnvInt("MOE_CPU_PASS1_ROWS", &o.pass1_rows);
@@ -560,18 +546,20 @@ std::vector<std::string> AvailableTargets() {
   return names;
 }
 
-absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
-                     absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
-                     const void* x, DType x_dtype, void* y, DType y_dtype, const Options& options,
-                     common::ThreadPool& pool, ForwardStats* stats) {
+absl::Status internal::Forward(const ExpertBank& bank, int num_tokens, int top_k,
+                               absl::Span<const int32_t> expert_ids,
+                               absl::Span<const float> weights, const void* x, DType x_dtype,
+                               void* y, DType y_dtype, const Options& options,
+                               const Tuning& tuning, common::ThreadPool& pool,
+                               ForwardStats* stats) {
   RETURN_IF_ERROR(ValidateBank(bank));
   ASSIGN_OR_RETURN(const int64_t target, ChooseTarget(options.max_target));
   const bool bf16_dot_cpu = options.bf16_dot_product && target == HWY_AVX3_DL && CpuHasAvx512Bf16();
-  const bool amx = bf16_dot_cpu && options.amx && AmxAvailable() &&
+  const bool amx = bf16_dot_cpu && tuning.amx && AmxAvailable() &&
                    (bank.format == WeightFormat::kFp8Block || bank.format == WeightFormat::kBf16);
   const bool fp8_fp16 = bf16_dot_cpu && bank.format == WeightFormat::kFp8Block &&
-                        options.fp8_fp16 && CpuHasAvx512Fp16();
-  const Options resolved = ResolveTuning(options, bank.format, bank.layout, fp8_fp16);
+                        tuning.fp8_fp16 && CpuHasAvx512Fp16();
+  const internal::Tuning resolved = ResolveTuning(tuning, bank.format, bank.layout, fp8_fp16);
   RETURN_IF_ERROR(ValidateTuning(resolved));
   if (num_tokens < 0 || top_k <= 0) {
     return absl::InvalidArgumentError(
@@ -589,7 +577,8 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
 
   internal::ForwardPlan plan;
   plan.bank = &bank;
-  plan.options = &resolved;
+  plan.options = &options;
+  plan.tuning = &resolved;
   plan.pool = &pool;
   plan.num_tokens = num_tokens;
   plan.top_k = top_k;
@@ -604,11 +593,10 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   plan.amx_min_routes = resolved.amx_min_routes;
   // fp8's fp16 kernels, with both prefetch distances left at kAuto: experts with one or two
   // routes read 4096 bytes ahead into L1 and 8192 into L2 (bf16's distances), the others 2048 and
-  // none. Side by side on the host (benchmarks/h200host_tuning_2026-11-30_session13.md, three
-  // runs), those distances for every expert made steps 2-7% faster at T=1-32 with 1-1.6 routes
-  // per expert, within 1% at 2.3, and 0-4% slower with 4 routes per expert.
-  if (fp8_fp16 && options.prefetch_bytes == Options::kAuto &&
-      options.prefetch_l2_bytes == Options::kAuto) {
+  // none: an expert with few routes has little dot-product work per byte to hide its reads
+  // behind (README, "Tuning defaults").
+  if (fp8_fp16 && tuning.prefetch_bytes == internal::Tuning::kAuto &&
+      tuning.prefetch_l2_bytes == internal::Tuning::kAuto) {
     plan.few_routes_max = 2;
     plan.few_routes_prefetch_l1 = 4096;
     plan.few_routes_prefetch_l2 = 8192;
@@ -633,7 +621,7 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   }
   // Prefill: experts with many routes go through oneDNN first; the rest stay in `plan`.
   OnednnPart onednn;
-  RETURN_IF_ERROR(RunOnednnPart(bank, resolved, plan, &onednn));
+  RETURN_IF_ERROR(RunOnednnPart(bank, options, plan, &onednn));
   const int num_routes = static_cast<int>(plan.route_token.size());
 
   // Counting sort of routes by expert (stable: token order within an expert).
@@ -706,10 +694,11 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
   return absl::OkStatus();
 }
 
-absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
-                     absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
-                     absl::Span<const float> x, absl::Span<float> y, const Options& options,
-                     common::ThreadPool& pool, ForwardStats* stats) {
+absl::Status internal::Forward(const ExpertBank& bank, int num_tokens, int top_k,
+                               absl::Span<const int32_t> expert_ids,
+                               absl::Span<const float> weights, absl::Span<const float> x,
+                               absl::Span<float> y, const Options& options, const Tuning& tuning,
+                               common::ThreadPool& pool, ForwardStats* stats) {
   const size_t n = static_cast<size_t>(std::max(0, num_tokens)) * std::max(0, bank.hidden);
   if (x.size() != n || y.size() != n) {
     return absl::InvalidArgumentError(absl::StrCat("x (", x.size(), ") and y (", y.size(),
@@ -717,7 +706,23 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
                                                    " floats"));
   }
   return Forward(bank, num_tokens, top_k, expert_ids, weights, x.data(), DType::kF32, y.data(),
-                 DType::kF32, options, pool, stats);
+                 DType::kF32, options, tuning, pool, stats);
+}
+
+absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
+                     absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
+                     const void* x, DType x_dtype, void* y, DType y_dtype, const Options& options,
+                     common::ThreadPool& pool, ForwardStats* stats) {
+  return internal::Forward(bank, num_tokens, top_k, expert_ids, weights, x, x_dtype, y, y_dtype,
+                           options, internal::Tuning(), pool, stats);
+}
+
+absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
+                     absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
+                     absl::Span<const float> x, absl::Span<float> y, const Options& options,
+                     common::ThreadPool& pool, ForwardStats* stats) {
+  return internal::Forward(bank, num_tokens, top_k, expert_ids, weights, x, y, options,
+                           internal::Tuning(), pool, stats);
 }
 
 }  // namespace moe::cpu_moe

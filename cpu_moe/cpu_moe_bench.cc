@@ -57,6 +57,7 @@
 #include "common/membw.h"
 #include "common/thread_pool.h"
 #include "cpu_moe/cpu_moe.h"
+#include "cpu_moe/internal/tuning.h"
 #include "cpu_moe/test_bank.h"
 #include "moe_cache/trace.h"
 
@@ -316,6 +317,7 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
   Options opt = Options::FromEnv();
   opt.dedup = dedup;
   opt.debug = false;
+  const internal::Tuning tuning = internal::Tuning::FromEnv();
 
   size_t step = 0;
   double seconds = 0.0, unique_sum = 0.0;
@@ -327,7 +329,8 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
     const int s = static_cast<int>(step % kRoutings);
     const auto t0 = std::chrono::steady_clock::now();
     const absl::Status st =
-        Forward(bank, T, kTopK, ids[s], in.w, in.x, absl::MakeSpan(in.y), opt, Pool(), &fs);
+        internal::Forward(bank, T, kTopK, ids[s], in.w, in.x, absl::MakeSpan(in.y), opt, tuning,
+                          Pool(), &fs);
     const auto t1 = std::chrono::steady_clock::now();
     phase[0] += fs.prep_x_seconds;
     phase[1] += fs.pass1_seconds;
@@ -401,6 +404,7 @@ void SpeedupCase(benchmark::State& state, WeightFormat format, int num_experts, 
   StepInputs in(T, top_k, rng);
   Options opt = Options::FromEnv();
   opt.debug = false;
+  const internal::Tuning tuning = internal::Tuning::FromEnv();
   size_t step = 0, pairs = 0;
   double seconds[2] = {0.0, 0.0};  // [dedup]
   double unique_sum = 0.0;
@@ -413,7 +417,8 @@ void SpeedupCase(benchmark::State& state, WeightFormat format, int num_experts, 
       ++step;
       const auto t0 = std::chrono::steady_clock::now();
       const absl::Status st =
-          Forward(bank, T, top_k, routings.ids[s], in.w, in.x, absl::MakeSpan(in.y), opt, Pool());
+          internal::Forward(bank, T, top_k, routings.ids[s], in.w, in.x, absl::MakeSpan(in.y),
+                            opt, tuning, Pool());
       const auto t1 = std::chrono::steady_clock::now();
       if (!st.ok()) {
         state.SkipWithError(st.ToString().c_str());
@@ -583,11 +588,12 @@ void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int routes) {
   for (float& v : x) v = nd(rng);
   Options opt = Options::FromEnv();
   opt.debug = false;
+  const internal::Tuning tuning = internal::Tuning::FromEnv();
   ForwardStats fs;
   double p1 = 0.0, p2 = 0.0, prep = 0.0;
   for (auto _ : state) {
-    const absl::Status st =
-        Forward(bank, T, kTopK, ids, w, x, absl::MakeSpan(y), opt, Pool(), &fs);
+    const absl::Status st = internal::Forward(bank, T, kTopK, ids, w, x, absl::MakeSpan(y), opt,
+                                              tuning, Pool(), &fs);
     if (!st.ok()) {
       state.SkipWithError(st.ToString().c_str());
       return;
@@ -675,7 +681,8 @@ void RegisterAll() {
 //   --ab_reps=<n> (default 9)
 // Every rep runs each variant for about 0.15 s (whole steps), in an order rotated by one per rep,
 // after one warm-up round. Before a variant runs, every variable named by any variant is unset
-// and its own are set; Options::FromEnv() reads them on every call. Printed per case and
+// and its own are set; Options::FromEnv() and internal::Tuning::FromEnv() read them on every
+// call. Printed per case and
 // variant: median ms per step, bw_fraction (unique bytes / time / DRAM), the passes' fractions,
 // and the median over reps of the step-time ratio to the first variant (< 1: faster).
 struct Variant {
@@ -777,14 +784,15 @@ int RunAb() {
         Options opt = Options::FromEnv();
         opt.dedup = dedup != 0;
         opt.debug = false;
+        const internal::Tuning tuning = internal::Tuning::FromEnv();
         const int r = static_cast<int>(step % routings.ids.size());
         const std::vector<ExpertBank>& bank_list = BankList(banks);  // MOE_BENCH_LAYOUT
         const ExpertBank& bank = bank_list[step % bank_list.size()];
         ++step;
         const auto t0 = std::chrono::steady_clock::now();
         const absl::Status st =
-            Forward(bank, T, top_k, routings.ids[r], in.w, in.x, absl::MakeSpan(in.y), opt,
-                    Pool(), &fs);
+            internal::Forward(bank, T, top_k, routings.ids[r], in.w, in.x, absl::MakeSpan(in.y),
+                              opt, tuning, Pool(), &fs);
         const auto t1 = std::chrono::steady_clock::now();
         if (!st.ok()) {
           std::fprintf(stderr, "%s: %s\n", v.name.c_str(), st.ToString().c_str());
@@ -952,19 +960,20 @@ int main(int argc, char** argv) {
     // _PASS1_ROWS / _PASS2_ROWS) and the bf16 dot product switch (MOE_CPU_BF16_DOT), so each
     // JSON of a sweep says which setting it measured.
     const moe::cpu_moe::Options o = moe::cpu_moe::Options::FromEnv();
+    const moe::cpu_moe::internal::Tuning t = moe::cpu_moe::internal::Tuning::FromEnv();
     benchmark::AddCustomContext("cpu_moe_tuning",
                                 absl::StrCat("hugepages=", moe::cpu_moe::g_hugepages,
                                              " layout=",
                                              moe::cpu_moe::UsePanels(moe::cpu_moe::WeightFormat::kQ4_0)
                                                  ? "panels"
                                                  : "row",
-                                             " prefetch_bytes=", o.prefetch_bytes,
-                                             " prefetch_l2_bytes=", o.prefetch_l2_bytes,
-                                             " pass1_rows=", o.pass1_rows,
-                                             " pass2_rows=", o.pass2_rows,
-                                             " row_streams=", o.row_streams,
-                                             " overlap_passes=", o.overlap_passes ? 1 : 0,
-                                             " block_lane=", o.block_lane ? 1 : 0,
+                                             " prefetch_bytes=", t.prefetch_bytes,
+                                             " prefetch_l2_bytes=", t.prefetch_l2_bytes,
+                                             " pass1_rows=", t.pass1_rows,
+                                             " pass2_rows=", t.pass2_rows,
+                                             " row_streams=", t.row_streams,
+                                             " overlap_passes=", t.overlap_passes ? 1 : 0,
+                                             " block_lane=", t.block_lane ? 1 : 0,
                                              " bf16_dot_product=", o.bf16_dot_product ? 1 : 0));
   }
   moe::cpu_moe::RegisterAll();

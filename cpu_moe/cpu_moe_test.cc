@@ -1,7 +1,7 @@
 // Tests of cpu_moe against the float64 reference (test_bank.h), on every compiled Highway target
 // the CPU supports, every weight format, T in {1, 2, 5, 16, 64}, dedup on and off, uniform and
 // skewed routing, for bf16 the CPU's bf16 dot product on and off, for the int8 formats the
-// block-lane and the plain activation layout (Options::block_lane).
+// block-lane and the plain activation layout (internal::Tuning::block_lane).
 //
 // Tolerance (derived, per output element): the kernels differ from the reference that emulates
 // their activation quantization only by fp32 accumulation order and by an occasional int8
@@ -49,6 +49,7 @@
 #include "common/formats.h"
 #include "common/thread_pool.h"
 #include "cpu_moe/cpu_moe.h"
+#include "cpu_moe/internal/tuning.h"
 #include "cpu_moe/test_bank.h"
 #include "gtest/gtest.h"
 
@@ -56,6 +57,7 @@ namespace moe::cpu_moe {
 namespace {
 
 using common::WeightFormat;
+using internal::Tuning;
 using testing::HostBank;
 using testing::MakeRandomBank;
 using testing::MakeRouting;
@@ -89,7 +91,7 @@ constexpr double kRelBf16Dot = 1e-5;
 // 150 * 2^-24 = 9e-6 of abs_scale; checked at 3e-5 (3x margin), still 7 times tighter than fp32's.
 constexpr double kRelAmx = 3e-5;
 
-// fp8 through fp16 (Options::fp8_fp16): against the reference that emulates its fp16 sums
+// fp8 through fp16 (internal::Tuning::fp8_fp16): against the reference that emulates its fp16 sums
 // (test_bank.h), the rest is fp32 summation as in the fp32 kernels, plus flip.
 double RelFor(const ForwardStats& st) {
   return st.fp8_fp16 ? kRelFp32
@@ -121,7 +123,7 @@ bool Bf16DotRunsAt(const std::string& target) {
   return target == "AVX3_DL" && __builtin_cpu_supports("avx512bf16");
 }
 
-// Whether AMX can run there (Options::amx; Linux grants the tile state on every kernel since
+// Whether AMX can run there (internal::Tuning::amx; Linux grants the tile state on every kernel since
 // 5.16, which Forward requests).
 bool AmxRunsAt(const std::string& target) {
   return Bf16DotRunsAt(target) && __builtin_cpu_supports("amx-tile") &&
@@ -132,7 +134,7 @@ bool HasBf16Dot(WeightFormat f) {
   return f == WeightFormat::kBf16 || f == WeightFormat::kFp8Block;
 }
 
-// Whether fp8's fp16 kernels (Options::fp8_fp16) can run at `target`.
+// Whether fp8's fp16 kernels (internal::Tuning::fp8_fp16) can run at `target`.
 bool Fp16RunsAt(const std::string& target) {
   return Bf16DotRunsAt(target) && __builtin_cpu_supports("avx512fp16") &&
          __builtin_cpu_supports("gfni");
@@ -141,9 +143,15 @@ bool Fp16RunsAt(const std::string& target) {
 // Reference options matching a run: the bf16 activation rounding emulated where the run did it.
 Options RefOptions(Options o, const ForwardStats& st) {
   o.bf16_dot_product = st.bf16_dot_product && !st.fp8_fp16;
-  o.fp8_fp16 = st.fp8_fp16;
-  if (st.fp8_fp16) o.amx = st.amx;
   return o;
+}
+
+// Reference tuning matching a run: fp8's fp16 kernels emulated where they ran, with the experts
+// that went through AMX instead.
+Tuning RefTuning(Tuning t, const ForwardStats& st) {
+  t.fp8_fp16 = st.fp8_fp16;
+  if (st.fp8_fp16) t.amx = st.amx;
+  return t;
 }
 
 // The int8 formats' bank in panels (Layout::kPanels); null for the other formats.
@@ -188,18 +196,19 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
         const std::vector<float> x = RandomX(T, kH, rng);
         Options exact, rounded;
         exact.bf16_dot_product = false;
-        exact.fp8_fp16 = false;
-        rounded.fp8_fp16 = false;
+        Tuning no_fp16;
+        no_fp16.fp8_fp16 = false;
         // [0]: activations as the fp32 kernels take them; [1]: rounded to bf16 (bf16 dot);
         // fp8 through fp16: emulated per run (which experts went through AMX depends on it).
         std::vector<double> ref[3], scale[3], flip[3], plain, s2, f2;
         ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, exact, true, &ref[0], &scale[0],
-                         &flip[0]);
+                         &flip[0], no_fp16);
         if (bf16) {
           ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, rounded, true, &ref[1], &scale[1],
-                           &flip[1]);
+                           &flip[1], no_fp16);
         }
-        ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, exact, false, &plain, &s2, &f2);
+        ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, exact, false, &plain, &s2, &f2,
+                         no_fp16);
         for (const std::string& target : AvailableTargets()) {
           for (bool dedup : {false, true}) {
             // bf16 and fp8: the bf16 dot product off, on (AMX for experts with the default
@@ -215,14 +224,16 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
               o.dedup = dedup;
               o.max_target = target;
               o.bf16_dot_product = dot;
-              o.block_lane = block_lane;
-              o.fp8_fp16 = alt != 3;
-              if (alt == 2 && bf16) o.amx_min_routes = 1;
               o.onednn_min_tokens_per_expert = 0;  // GEMV kernels (oneDNN: onednn_experts_test)
+              Tuning tu;
+              tu.block_lane = block_lane;
+              tu.fp8_fp16 = alt != 3;
+              if (alt == 2 && bf16) tu.amx_min_routes = 1;
               std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
               ForwardStats st;
-              ASSERT_TRUE(Forward(panel ? panels->bank : hb.bank, T, kTopK, r.ids, r.weights, x,
-                                  absl::MakeSpan(y), o, pool_, &st).ok());
+              ASSERT_TRUE(internal::Forward(panel ? panels->bank : hb.bank, T, kTopK, r.ids,
+                                            r.weights, x, absl::MakeSpan(y), o, tu, pool_, &st)
+                              .ok());
               const std::string what = absl::StrCat(
                   std::string(common::WeightFormatName(f)), " T=", T, " skewed=", skewed,
                   " target=", target, " dedup=", dedup, " bf16_dot=", dot,
@@ -241,7 +252,7 @@ TEST_F(CpuMoeTest, MatchesReferenceEverywhere) {
               fp16_runs += st.fp8_fp16;
               if (st.fp8_fp16) {
                 ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, RefOptions(o, st), true,
-                                 &ref[2], &scale[2], &flip[2]);
+                                 &ref[2], &scale[2], &flip[2], RefTuning(tu, st));
               }
               const int v = st.fp8_fp16 ? 2 : st.bf16_dot_product ? 1 : 0;
               EXPECT_LE(WorstRatio(y, ref[v], scale[v], flip[v], RelFor(st)), 1.0) << what;
@@ -278,8 +289,9 @@ TEST_F(CpuMoeTest, BrokenVariantsFail) {
       HostBank hb = MakeRandomBank(f, kE, kH, kI, 5 + static_cast<int>(f));
       Options o;
       o.bf16_dot_product = dot;
-      o.fp8_fp16 = variant != 4;
-      if (variant == 2) o.amx_min_routes = 1;
+      Tuning tu;
+      tu.fp8_fp16 = variant != 4;
+      if (variant == 2) tu.amx_min_routes = 1;
       std::unique_ptr<PanelBank> packed;
       // The bank Forward runs on: hb's, or panels packed from it as it is now.
       auto bank = [&]() -> const ExpertBank& {
@@ -291,28 +303,30 @@ TEST_F(CpuMoeTest, BrokenVariantsFail) {
       };
       std::vector<float> y(x.size());
       ForwardStats st;
-      ASSERT_TRUE(
-          Forward(bank(), T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st).ok());
+      ASSERT_TRUE(internal::Forward(bank(), T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o,
+                                    tu, pool_, &st)
+                      .ok());
       const std::string what =
           absl::StrCat(std::string(common::WeightFormatName(f)), " bf16_dot=", st.bf16_dot_product,
                        " amx=", st.amx, " fp8_fp16=", st.fp8_fp16, " panels=", variant == 3);
       const double rel = RelFor(st);
       std::vector<double> ref, scale, flip;
       ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, RefOptions(o, st), true, &ref, &scale,
-                       &flip);
+                       &flip, RefTuning(tu, st));
       EXPECT_LE(WorstRatio(y, ref, scale, flip, rel), 1.0) << what;
       if (st.bf16_dot_product && !st.fp8_fp16) {
         std::vector<double> unrounded, s2, f2;
         ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, RefOptions(o, ForwardStats()), true,
-                         &unrounded, &s2, &f2);
+                         &unrounded, &s2, &f2, RefTuning(tu, ForwardStats()));
         EXPECT_GT(WorstRatio(y, unrounded, s2, f2, rel), 1.0) << what;
       }
 
       // Missed route: drop token 0's first route from the kernel's input.
       Routing missed = r;
       missed.ids[0] = -1;
-      ASSERT_TRUE(Forward(bank(), T, kTopK, missed.ids, missed.weights, x, absl::MakeSpan(y), o,
-                          pool_).ok());
+      ASSERT_TRUE(internal::Forward(bank(), T, kTopK, missed.ids, missed.weights, x,
+                                    absl::MakeSpan(y), o, tu, pool_)
+                      .ok());
       EXPECT_GT(WorstRatio(y, ref, scale, flip, rel), 10.0) << what;
 
       // Wrong scale: double one block scale of the down matrix of expert ids[0] (first block of
@@ -344,24 +358,25 @@ TEST_F(CpuMoeTest, BrokenVariantsFail) {
           hb.down_s[e * kH * kI / 16] += 8;  // e4m3 exponent + 1
           break;
       }
-      ASSERT_TRUE(
-          Forward(bank(), T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_).ok());
+      ASSERT_TRUE(internal::Forward(bank(), T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o,
+                                    tu, pool_)
+                      .ok());
       EXPECT_GT(WorstRatio(y, ref, scale, flip, rel), 1.0) << what;
     }
   }
 }
 
-// fp8 through fp16 (Options::fp8_fp16): MOE_CPU_FP8_FP16=0 reaches the options; ForwardStats
+// fp8 through fp16 (Tuning::fp8_fp16): MOE_CPU_FP8_FP16=0 reaches the tuning; ForwardStats
 // says when it ran (by default where the CPU has AVX512-FP16 and the bf16 dot product runs; never
 // with either switched off); and its per-route activation scaling keeps x and h within fp16's
 // range: x scaled by 2^-30, 1 and 2^30 (h then spans about 2^-60 .. 2^60) matches the reference
 // within the same relative bound, with no absolute floor (outputs at 2^-30 are about 1e-19).
 TEST_F(CpuMoeTest, Fp8Fp16SwitchStatsAndRange) {
-  EXPECT_TRUE(Options().fp8_fp16);
+  EXPECT_TRUE(Tuning().fp8_fp16);
   setenv("MOE_CPU_FP8_FP16", "0", 1);
-  EXPECT_FALSE(Options::FromEnv().fp8_fp16);
+  EXPECT_FALSE(Tuning::FromEnv().fp8_fp16);
   unsetenv("MOE_CPU_FP8_FP16");
-  EXPECT_TRUE(Options::FromEnv().fp8_fp16);
+  EXPECT_TRUE(Tuning::FromEnv().fp8_fp16);
 
   std::mt19937_64 rng(41);
   const int T = 3;
@@ -377,9 +392,11 @@ TEST_F(CpuMoeTest, Fp8Fp16SwitchStatsAndRange) {
   EXPECT_EQ(st.fp8_fp16, Fp16RunsAt(best));
   for (int off = 0; off < 2; ++off) {
     Options o2;
-    (off == 0 ? o2.fp8_fp16 : o2.bf16_dot_product) = false;
-    ASSERT_TRUE(
-        Forward(hb.bank, T, kTopK, r.ids, r.weights, x0, absl::MakeSpan(y), o2, pool_, &st).ok());
+    Tuning t2;
+    (off == 0 ? t2.fp8_fp16 : o2.bf16_dot_product) = false;
+    ASSERT_TRUE(internal::Forward(hb.bank, T, kTopK, r.ids, r.weights, x0, absl::MakeSpan(y), o2,
+                                  t2, pool_, &st)
+                    .ok());
     EXPECT_FALSE(st.fp8_fp16) << off;
   }
   const HostBank q4 = MakeRandomBank(WeightFormat::kQ4_0, kE, kH, kI, 43, false);
@@ -393,13 +410,15 @@ TEST_F(CpuMoeTest, Fp8Fp16SwitchStatsAndRange) {
     std::vector<double> plain, ps, pf;
     Options exact;
     exact.bf16_dot_product = false;
-    exact.fp8_fp16 = false;
-    ReferenceForward(hb, T, kTopK, r.ids, r.weights, x0, exact, true, &plain, &ps, &pf);
+    Tuning no_fp16;
+    no_fp16.fp8_fp16 = false;
+    ReferenceForward(hb, T, kTopK, r.ids, r.weights, x0, exact, true, &plain, &ps, &pf, no_fp16);
     for (bool fp16 : {true, false}) {
-      Options o2;
-      o2.fp8_fp16 = fp16;
-      ASSERT_TRUE(
-          Forward(hb.bank, T, kTopK, r.ids, r.weights, x0, absl::MakeSpan(y), o2, pool_, &st).ok());
+      Tuning t2;
+      t2.fp8_fp16 = fp16;
+      ASSERT_TRUE(internal::Forward(hb.bank, T, kTopK, r.ids, r.weights, x0, absl::MakeSpan(y),
+                                    Options(), t2, pool_, &st)
+                      .ok());
       const double rel = RelFrobenius(y, plain);
       std::printf("fp8_fp16=%d bf16_dot=%d: relative Frobenius error against float64 %.3g\n",
                   st.fp8_fp16 ? 1 : 0, st.bf16_dot_product ? 1 : 0, rel);
@@ -417,7 +436,7 @@ TEST_F(CpuMoeTest, Fp8Fp16SwitchStatsAndRange) {
         Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st).ok());
     std::vector<double> ref, scale, flip;
     ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, RefOptions(o, st), true, &ref, &scale,
-                     &flip);
+                     &flip, RefTuning(Tuning(), st));
     const double rel = RelFor(st);
     double worst = 0.0;
     for (size_t i = 0; i < y.size(); ++i) {
@@ -453,12 +472,13 @@ TEST_F(CpuMoeTest, MoreThan64RoutesPerExpert) {
       if (variant == 3 && !IsQuant(f)) continue;
       Options o;
       o.bf16_dot_product = variant == 1 || variant == 2;
-      if (variant == 2) o.amx_min_routes = 1;
       o.onednn_min_tokens_per_expert = 0;  // the GEMV / AMX kernels
+      Tuning tu;
+      if (variant == 2) tu.amx_min_routes = 1;
       std::vector<float> y(x.size());
       ForwardStats st;
-      ASSERT_TRUE(Forward(variant == 3 ? panels->bank : hb.bank, T, k, r.ids, r.weights, x,
-                          absl::MakeSpan(y), o, pool_, &st)
+      ASSERT_TRUE(internal::Forward(variant == 3 ? panels->bank : hb.bank, T, k, r.ids, r.weights,
+                                    x, absl::MakeSpan(y), o, tu, pool_, &st)
                       .ok());
       const std::string what = absl::StrCat(std::string(common::WeightFormatName(f)),
                                             " variant=", variant, " amx=", st.amx);
@@ -468,7 +488,7 @@ TEST_F(CpuMoeTest, MoreThan64RoutesPerExpert) {
       }
       std::vector<double> ref, scale, flip;
       ReferenceForward(hb, T, k, r.ids, r.weights, x, RefOptions(o, st), true, &ref, &scale,
-                       &flip);
+                       &flip, RefTuning(tu, st));
       EXPECT_LE(WorstRatio(y, ref, scale, flip, RelFor(st)), 1.0) << what;
     }
   }
@@ -545,14 +565,16 @@ TEST_F(CpuMoeTest, DedupOnOffAgreeAndInertWithoutSharing) {
       // (MatchesReferenceEverywhere runs dedup on and off with AMX); here the same kernels run
       // either way, so only the split differs.
       Options off, on;
-      on.amx_min_routes = 0;
-      off = on;
       off.dedup = false;
+      Tuning no_amx;
+      no_amx.amx_min_routes = 0;
       ForwardStats s0, s1;
-      ASSERT_TRUE(Forward(bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y0), off, pool_,
-                          &s0).ok());
-      ASSERT_TRUE(Forward(bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y1), on, pool_,
-                          &s1).ok());
+      ASSERT_TRUE(internal::Forward(bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y0), off,
+                                    no_amx, pool_, &s0)
+                      .ok());
+      ASSERT_TRUE(internal::Forward(bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y1), on,
+                                    no_amx, pool_, &s1)
+                      .ok());
       EXPECT_EQ(s0.unique_experts, s1.unique_experts);
       if (T == 1) {
         // All routes distinct: the same plain work split, bit for bit.
@@ -748,11 +770,12 @@ TEST_F(CpuMoeTest, PanelItemRowsAnyValue) {
     ASSERT_TRUE(Forward(panels->bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y0),
                         Options(), pool_).ok());
     for (auto [p1, p2] : {std::pair{1, 2}, std::pair{17, 48}, std::pair{40, 80}}) {
-      Options o;
-      o.pass1_rows = p1;
-      o.pass2_rows = p2;
-      ASSERT_TRUE(Forward(panels->bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y1), o,
-                          pool_).ok());
+      Tuning tu;
+      tu.pass1_rows = p1;
+      tu.pass2_rows = p2;
+      ASSERT_TRUE(internal::Forward(panels->bank, T, kTopK, r.ids, r.weights, x,
+                                    absl::MakeSpan(y1), Options(), tu, pool_)
+                      .ok());
       // Each output row's arithmetic is the same whatever panels it is computed beside.
       EXPECT_EQ(y0, y1) << common::WeightFormatName(f) << " pass1_rows=" << p1
                         << " pass2_rows=" << p2;
@@ -760,8 +783,8 @@ TEST_F(CpuMoeTest, PanelItemRowsAnyValue) {
   }
 }
 
-// The env switches are read each time options are built (seed 003's trap: a cached static made
-// both arms of an A/B the same).
+// The env switches are read each time options are built (a cached static would make both arms
+// of an A/B comparison the same).
 TEST_F(CpuMoeTest, EnvReadWhenOptionsAreBuilt) {
   setenv("MOE_CPU_DEDUP", "0", 1);
   setenv("MOE_CPU_MAX_TARGET", "SSE4", 1);
@@ -837,19 +860,19 @@ TEST_F(CpuMoeTest, Bf16DotEnvSwitchAndStats) {
   EXPECT_NE(y_on, y_off);  // the activations were rounded to bf16
 }
 
-// MOE_CPU_AMX=0 and MOE_CPU_AMX_MIN_ROUTES reach the options when they are built; ForwardStats::amx
+// MOE_CPU_AMX=0 and MOE_CPU_AMX_MIN_ROUTES reach the tuning when it is built; ForwardStats::amx
 // says whether tiles ran: with every expert through AMX where the CPU has it, never with amx off,
 // with amx_min_routes = 0, or for formats without it (q4_0); a negative threshold is rejected.
 TEST_F(CpuMoeTest, AmxEnvSwitchAndStats) {
-  EXPECT_TRUE(Options().amx);
+  EXPECT_TRUE(Tuning().amx);
   setenv("MOE_CPU_AMX", "0", 1);
   setenv("MOE_CPU_AMX_MIN_ROUTES", "5", 1);
-  const Options env = Options::FromEnv();
+  const Tuning env = Tuning::FromEnv();
   EXPECT_FALSE(env.amx);
   EXPECT_EQ(env.amx_min_routes, 5);
   unsetenv("MOE_CPU_AMX");
   unsetenv("MOE_CPU_AMX_MIN_ROUTES");
-  EXPECT_TRUE(Options::FromEnv().amx);
+  EXPECT_TRUE(Tuning::FromEnv().amx);
 
   std::mt19937_64 rng(21);
   const int T = 3;
@@ -860,33 +883,33 @@ TEST_F(CpuMoeTest, AmxEnvSwitchAndStats) {
   for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kQ4_0}) {
     const HostBank hb = MakeRandomBank(f, kE, kH, kI, 23, false);
     const std::string what(common::WeightFormatName(f));
-    Options all;
+    auto run = [&](const Tuning& tu, ForwardStats* st) {
+      return internal::Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y),
+                               Options(), tu, pool_, st);
+    };
+    Tuning all;
     all.amx_min_routes = 1;
     ForwardStats st;
-    ASSERT_TRUE(
-        Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), all, pool_, &st).ok());
+    ASSERT_TRUE(run(all, &st).ok());
     EXPECT_EQ(st.amx, HasBf16Dot(f) && AmxRunsAt(best)) << what;
-    Options off = all;
+    Tuning off = all;
     off.amx = false;
-    ASSERT_TRUE(
-        Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), off, pool_, &st).ok());
+    ASSERT_TRUE(run(off, &st).ok());
     EXPECT_FALSE(st.amx) << what;
     EXPECT_EQ(st.bf16_dot_product, HasBf16Dot(f) && Bf16DotRunsAt(best)) << what;
-    Options none = all;
+    Tuning none = all;
     none.amx_min_routes = 0;
-    ASSERT_TRUE(
-        Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), none, pool_, &st).ok());
+    ASSERT_TRUE(run(none, &st).ok());
     EXPECT_FALSE(st.amx) << what;
-    Options bad = all;
+    Tuning bad = all;
     bad.amx_min_routes = -5;
-    const absl::Status s =
-        Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), bad, pool_, &st);
+    const absl::Status s = run(bad, &st);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what;
     EXPECT_NE(s.message().find("amx_min_routes"), absl::string_view::npos) << s;
   }
 }
 
-// The default thresholds (Options::kAuto): fp8 experts go through AMX from 5 routes, bf16
+// The default thresholds (Tuning::kAuto): fp8 experts go through AMX from 5 routes, bf16
 // experts from 12. Every token routes to experts 0..kTopK-1, so each has T routes.
 TEST_F(CpuMoeTest, AmxDefaultThresholds) {
   const std::string best = AvailableTargets().front();

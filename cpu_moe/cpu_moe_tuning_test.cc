@@ -1,5 +1,6 @@
-// Runtime tuning options (prefetch distances, rows per work item, overlapped passes): every
-// setting gives y bit for bit equal to the defaults', and bad values are InvalidArgument.
+// The internal tuning (cpu_moe/internal/tuning.h: prefetch distances, rows per work item, row
+// streams, overlapped passes): every setting gives y bit for bit equal to the defaults', and bad
+// values are InvalidArgument.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include "common/formats.h"
 #include "common/thread_pool.h"
 #include "cpu_moe/cpu_moe.h"
+#include "cpu_moe/internal/tuning.h"
 #include "cpu_moe/test_bank.h"
 #include "gtest/gtest.h"
 
@@ -21,6 +23,7 @@ namespace moe::cpu_moe {
 namespace {
 
 using common::WeightFormat;
+using internal::Tuning;
 using testing::HostBank;
 using testing::MakeRandomBank;
 
@@ -55,10 +58,10 @@ Case MakeCase(int T, uint64_t seed) {
 }
 
 std::vector<float> RunForward(const ExpertBank& bank, int T, const Case& c, const Options& o,
-                       common::ThreadPool& pool) {
+                              const Tuning& tu, common::ThreadPool& pool) {
   std::vector<float> y(c.x.size(), 0.0f);
   const absl::Status st =
-      Forward(bank, T, kTopK, c.ids, c.weights, c.x, absl::MakeSpan(y), o, pool);
+      internal::Forward(bank, T, kTopK, c.ids, c.weights, c.x, absl::MakeSpan(y), o, tu, pool);
   EXPECT_TRUE(st.ok()) << st;
   return y;
 }
@@ -90,15 +93,14 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
       // Extremes: 1-row pass-1 items, one row pair per pass-2 item; the largest values; odd
       // pass-1 blocks and pass-2 blocks that four streams do not divide.
       settings.push_back({64, 1, 2, overlap, streams});
-      settings.push_back({Options::kMaxPrefetchBytes, 3, Options::kMaxRowsPerItem, overlap,
-                          streams});
-      settings.push_back({1024, Options::kMaxRowsPerItem, 6, overlap, streams});
+      settings.push_back({Tuning::kMaxPrefetchBytes, 3, Tuning::kMaxRowsPerItem, overlap, streams});
+      settings.push_back({1024, Tuning::kMaxRowsPerItem, 6, overlap, streams});
       settings.push_back({1024, 32, 128, overlap, streams});
       settings.push_back({512, 7, 10, overlap, streams});
     }
   }
   // The L2 prefetch stream off, at its extremes and in between, in turn over the settings.
-  const int kL2[] = {0, 8192, 64, Options::kMaxPrefetchL2Bytes, 4096};
+  const int kL2[] = {0, 8192, 64, Tuning::kMaxPrefetchL2Bytes, 4096};
   for (size_t i = 0; i < settings.size(); ++i) settings[i].prefetch_l2 = kL2[i % 5];
   for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kFp8Block, WeightFormat::kQ4_0}) {
     const HostBank hb = MakeRandomBank(f, kE, kH, kI, 41 + static_cast<int>(f), false);
@@ -121,23 +123,24 @@ TEST(CpuMoeTuningTest, EverySettingIsBitIdenticalToDefaults) {
             if (variant == 4 && f != WeightFormat::kFp8Block) continue;
             const bool dot = variant == 1 || variant == 2 || variant == 4;
             const ExpertBank& bank = variant == 3 ? panels->bank : hb.bank;
-            Options base;
-            base.max_target = target;
-            base.dedup = dedup;
-            base.bf16_dot_product = dot;
+            Options o;
+            o.max_target = target;
+            o.dedup = dedup;
+            o.bf16_dot_product = dot;
+            o.onednn_min_tokens_per_expert = 0;
+            Tuning base;
             if (variant == 2) base.amx_min_routes = 1;
             base.fp8_fp16 = variant != 4;
-            base.onednn_min_tokens_per_expert = 0;
-            const std::vector<float> y0 = RunForward(bank, T, c, base, pool);
+            const std::vector<float> y0 = RunForward(bank, T, c, o, base, pool);
             for (const Setting& s : settings) {
-              Options o = base;
-              o.prefetch_bytes = s.prefetch;
-              o.prefetch_l2_bytes = s.prefetch_l2;
-              o.pass1_rows = s.pass1;
-              o.pass2_rows = s.pass2;
-              o.overlap_passes = s.overlap;
-              o.row_streams = s.streams;
-              const std::vector<float> y = RunForward(bank, T, c, o, pool);
+              Tuning tu = base;
+              tu.prefetch_bytes = s.prefetch;
+              tu.prefetch_l2_bytes = s.prefetch_l2;
+              tu.pass1_rows = s.pass1;
+              tu.pass2_rows = s.pass2;
+              tu.overlap_passes = s.overlap;
+              tu.row_streams = s.streams;
+              const std::vector<float> y = RunForward(bank, T, c, o, tu, pool);
               // memcmp: bit for bit (NaN-safe, -0 vs +0 distinguished).
               EXPECT_EQ(std::memcmp(y.data(), y0.data(), y.size() * sizeof(float)), 0)
                   << common::WeightFormatName(f) << " " << target << " T=" << T
@@ -157,6 +160,9 @@ TEST(CpuMoeTuningTest, BadValuesAreInvalidArgument) {
   const HostBank hb = MakeRandomBank(WeightFormat::kBf16, 4, 64, 32, 1, false);
   std::vector<int32_t> ids = {0, 1};
   std::vector<float> w = {0.5f, 0.5f}, x(64, 1.0f), y(64);
+  auto run = [&](const Tuning& t) {
+    return internal::Forward(hb.bank, 1, 2, ids, w, x, absl::MakeSpan(y), Options(), t, pool);
+  };
   struct Bad {
     int prefetch, pass1, pass2;
     const char* name;
@@ -166,88 +172,88 @@ TEST(CpuMoeTuningTest, BadValuesAreInvalidArgument) {
                        Bad{1024, -2, 16, "pass1_rows"}, Bad{1024, 513, 16, "pass1_rows"},
                        Bad{1024, 16, 0, "pass2_rows"}, Bad{1024, 16, 15, "pass2_rows"},
                        Bad{1024, 16, 514, "pass2_rows"}}) {
-    Options o;
+    Tuning o;
     o.prefetch_bytes = b.prefetch;
     o.pass1_rows = b.pass1;
     o.pass2_rows = b.pass2;
-    const absl::Status st = Forward(hb.bank, 1, 2, ids, w, x, absl::MakeSpan(y), o, pool);
+    const absl::Status st = run(o);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << b.name;
     EXPECT_NE(std::string(st.message()).find(b.name), std::string::npos) << st;
   }
   // The bounds themselves are accepted.
   for (const Bad& b : {Bad{0, 1, 2, ""}, Bad{8192, 256, 256, ""}, Bad{64, 16, 16, ""}}) {
-    Options o;
+    Tuning o;
     o.prefetch_bytes = b.prefetch;
     o.pass1_rows = b.pass1;
     o.pass2_rows = b.pass2;
-    EXPECT_TRUE(Forward(hb.bank, 1, 2, ids, w, x, absl::MakeSpan(y), o, pool).ok());
+    EXPECT_TRUE(run(o).ok());
   }
   for (int streams : {0, 1, 3, 8, std::numeric_limits<int>::min()}) {
-    Options o;
+    Tuning o;
     o.row_streams = streams;
-    const absl::Status st = Forward(hb.bank, 1, 2, ids, w, x, absl::MakeSpan(y), o, pool);
+    const absl::Status st = run(o);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << streams;
     EXPECT_NE(std::string(st.message()).find("row_streams"), std::string::npos) << st;
   }
-  for (int l2 : {-64, 100, Options::kMaxPrefetchL2Bytes + 64, std::numeric_limits<int>::min()}) {
-    Options o;
+  for (int l2 : {-64, 100, Tuning::kMaxPrefetchL2Bytes + 64, std::numeric_limits<int>::min()}) {
+    Tuning o;
     o.prefetch_l2_bytes = l2;
-    const absl::Status st = Forward(hb.bank, 1, 2, ids, w, x, absl::MakeSpan(y), o, pool);
+    const absl::Status st = run(o);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << l2;
     EXPECT_NE(std::string(st.message()).find("prefetch_l2_bytes"), std::string::npos) << st;
   }
-  for (int l2 : {0, 64, Options::kMaxPrefetchL2Bytes}) {
-    Options o;
+  for (int l2 : {0, 64, Tuning::kMaxPrefetchL2Bytes}) {
+    Tuning o;
     o.prefetch_l2_bytes = l2;
-    EXPECT_TRUE(Forward(hb.bank, 1, 2, ids, w, x, absl::MakeSpan(y), o, pool).ok()) << l2;
+    EXPECT_TRUE(run(o).ok()) << l2;
   }
 }
 
 // Read at FromEnv() time, every time; garbage becomes an error in Forward, not the default.
-TEST(CpuMoeTuningTest, EnvReadWhenOptionsAreBuilt) {
-  const Options d;
-  EXPECT_EQ(d.prefetch_bytes, Options::kAuto);
-  EXPECT_EQ(d.prefetch_l2_bytes, Options::kAuto);
-  EXPECT_EQ(d.pass1_rows, Options::kAuto);
-  EXPECT_EQ(d.pass2_rows, Options::kAuto);
+TEST(CpuMoeTuningTest, EnvReadWhenTuningIsBuilt) {
+  const Tuning d;
+  EXPECT_EQ(d.prefetch_bytes, Tuning::kAuto);
+  EXPECT_EQ(d.prefetch_l2_bytes, Tuning::kAuto);
+  EXPECT_EQ(d.pass1_rows, Tuning::kAuto);
+  EXPECT_EQ(d.pass2_rows, Tuning::kAuto);
   EXPECT_TRUE(d.overlap_passes);
   EXPECT_TRUE(d.block_lane);
   setenv("MOE_CPU_BLOCK_LANE", "0", 1);
-  EXPECT_FALSE(Options::FromEnv().block_lane);
+  EXPECT_FALSE(Tuning::FromEnv().block_lane);
   unsetenv("MOE_CPU_BLOCK_LANE");
   setenv("MOE_CPU_OVERLAP", "0", 1);
-  EXPECT_FALSE(Options::FromEnv().overlap_passes);
+  EXPECT_FALSE(Tuning::FromEnv().overlap_passes);
   unsetenv("MOE_CPU_OVERLAP");
-  EXPECT_TRUE(Options::FromEnv().overlap_passes);
+  EXPECT_TRUE(Tuning::FromEnv().overlap_passes);
   setenv("MOE_CPU_PREFETCH_BYTES", "2048", 1);
   setenv("MOE_CPU_PASS1_ROWS", "32", 1);
   setenv("MOE_CPU_PASS2_ROWS", "64", 1);
   setenv("MOE_CPU_ROW_STREAMS", "4", 1);
   setenv("MOE_CPU_PREFETCH_L2_BYTES", "16384", 1);
-  const Options a = Options::FromEnv();
+  const Tuning a = Tuning::FromEnv();
   EXPECT_EQ(a.prefetch_l2_bytes, 16384);
   setenv("MOE_CPU_PREFETCH_L2_BYTES", "0", 1);
-  EXPECT_EQ(Options::FromEnv().prefetch_l2_bytes, 0);
+  EXPECT_EQ(Tuning::FromEnv().prefetch_l2_bytes, 0);
   unsetenv("MOE_CPU_PREFETCH_L2_BYTES");
-  EXPECT_EQ(Options::FromEnv().prefetch_l2_bytes, Options::kAuto);
+  EXPECT_EQ(Tuning::FromEnv().prefetch_l2_bytes, Tuning::kAuto);
   EXPECT_EQ(a.row_streams, 4);
   unsetenv("MOE_CPU_ROW_STREAMS");
-  EXPECT_EQ(Options::FromEnv().row_streams, Options::kAuto);
+  EXPECT_EQ(Tuning::FromEnv().row_streams, Tuning::kAuto);
   EXPECT_EQ(a.prefetch_bytes, 2048);
   EXPECT_EQ(a.pass1_rows, 32);
   EXPECT_EQ(a.pass2_rows, 64);
   setenv("MOE_CPU_PREFETCH_BYTES", "0", 1);
   setenv("MOE_CPU_PASS1_ROWS", "abc", 1);
   unsetenv("MOE_CPU_PASS2_ROWS");
-  const Options b = Options::FromEnv();
+  const Tuning b = Tuning::FromEnv();
   EXPECT_EQ(b.prefetch_bytes, 0);
   EXPECT_EQ(b.pass1_rows, std::numeric_limits<int>::min());
-  EXPECT_EQ(b.pass2_rows, Options::kAuto);
+  EXPECT_EQ(b.pass2_rows, Tuning::kAuto);
   unsetenv("MOE_CPU_PREFETCH_BYTES");
   unsetenv("MOE_CPU_PASS1_ROWS");
-  const Options c = Options::FromEnv();
-  EXPECT_EQ(c.prefetch_bytes, Options::kAuto);
-  EXPECT_EQ(c.pass1_rows, Options::kAuto);
+  const Tuning c = Tuning::FromEnv();
+  EXPECT_EQ(c.prefetch_bytes, Tuning::kAuto);
+  EXPECT_EQ(c.pass1_rows, Tuning::kAuto);
 }
 
 }  // namespace

@@ -268,16 +268,17 @@ void ReferenceForward(const HostBank& hb, int num_tokens, int top_k,
                       const std::vector<int32_t>& ids, const std::vector<float>& weights,
                       const std::vector<float>& x, const Options& options,
                       bool emulate_act_quant, std::vector<double>* y,
-                      std::vector<double>* abs_scale, std::vector<double>* flip) {
+                      std::vector<double>* abs_scale, std::vector<double>* flip,
+                      const internal::Tuning& tuning) {
   const ExpertBank& b = hb.bank;
   const size_t H = b.hidden, I = b.intermediate;
   constexpr size_t kB = common::kFp8BlockSize;
   const bool quant = emulate_act_quant && IsQuant(b.format);
-  const bool fp16 = options.fp8_fp16 && b.format == WeightFormat::kFp8Block;
+  const bool fp16 = tuning.fp8_fp16 && b.format == WeightFormat::kFp8Block;
   const bool bf16_round = emulate_act_quant && options.bf16_dot_product && !fp16 &&
                           (b.format == WeightFormat::kBf16 || b.format == WeightFormat::kFp8Block);
   // fp16 runs: the experts that went through AMX instead (bf16-rounded activations), by the
-  // kernels' rule: options.amx (ForwardStats::amx of the run) and at least amx_min_routes
+  // kernels' rule: tuning.amx (ForwardStats::amx of the run) and at least amx_min_routes
   // routes in the call's group of the expert (one route per group without dedup).
   std::vector<int> routes_of(b.num_experts, 0);
   int valid = 0, unique = 0;
@@ -287,9 +288,10 @@ void ReferenceForward(const HostBank& hb, int num_tokens, int top_k,
     unique += routes_of[e]++ == 0;
   }
   const bool grouped = options.dedup && unique < valid;
-  const int amx_min = options.amx_min_routes == Options::kAuto ? 5 : options.amx_min_routes;
+  const int amx_min =
+      tuning.amx_min_routes == internal::Tuning::kAuto ? 5 : tuning.amx_min_routes;
   auto via_amx = [&](int e) {
-    return fp16 && options.amx && amx_min > 0 && (grouped ? routes_of[e] : 1) >= amx_min;
+    return fp16 && tuning.amx && amx_min > 0 && (grouped ? routes_of[e] : 1) >= amx_min;
   };
   y->assign(num_tokens * H, 0.0);
   abs_scale->assign(num_tokens * H, 0.0);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cpu_moe/cpu_moe.h"
+#include "cpu_moe/internal/tuning.h"
 
 namespace moe::cpu_moe::testing {
 
@@ -61,18 +62,20 @@ void EmulateActBf16(const float* x, size_t n, double* out, double* step);
 // abs_scale [T, H] = sum over routes |w| sum_i |D_ji h_i| (the magnitude the rounding acts on) and
 // flip [T, H] = sum over routes |w| max_i |D_ji| * step(h_i) (what one rounding flip of h can move
 // the output by; 0 unless emulating).
-// options.fp8_fp16 (fp8 banks; the caller sets it, amx and dedup to what the run did,
-// ForwardStats::fp8_fp16 and ::amx): the fp16 kernels emulated instead, their activation scaling
-// and rounding with the same float operations and their fp16 sums lane by lane, so that only the
-// fp32 summation of the 16 folded lanes differs; the experts that went through AMX (the kernels'
-// rule: at least amx_min_routes routes in the call, kAuto = 5) with bf16-rounded activations.
-// flip then holds what one fp16 rounding flip of h (the kernel's fp32 h against this one) can
-// move each output by: the flipped product and one ulp of the lane's later partial sums.
+// tuning.fp8_fp16 (fp8 banks; the caller sets it, tuning.amx and options.dedup to what the
+// run did, ForwardStats::fp8_fp16 and ::amx): the fp16 kernels emulated instead, their
+// activation scaling and rounding with the same float operations and their fp16 sums lane by
+// lane, so that only the fp32 summation of the 16 folded lanes differs; the experts that went
+// through AMX (the kernels' rule: at least tuning.amx_min_routes routes in the call, kAuto = 5)
+// with bf16-rounded activations. flip then holds what one fp16 rounding flip of h (the kernel's
+// fp32 h against this one) can move each output by: the flipped product and one ulp of the
+// lane's later partial sums.
 void ReferenceForward(const HostBank& hb, int num_tokens, int top_k,
                       const std::vector<int32_t>& ids, const std::vector<float>& weights,
                       const std::vector<float>& x, const Options& options,
                       bool emulate_act_quant, std::vector<double>* y,
-                      std::vector<double>* abs_scale, std::vector<double>* flip);
+                      std::vector<double>* abs_scale, std::vector<double>* flip,
+                      const internal::Tuning& tuning = internal::Tuning());
 
 }  // namespace moe::cpu_moe::testing
 

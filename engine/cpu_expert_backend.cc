@@ -7,21 +7,22 @@
 namespace moe::engine {
 
 CpuExpertBackend::CpuExpertBackend(std::vector<cpu_moe::ExpertBank> banks,
-                                   const cpu_moe::Options& options, common::ThreadPool* pool)
+                                   const Options& options, common::ThreadPool* pool)
     : banks_(std::move(banks)), options_(options), pool_(pool) {
-  options_.accumulate = true;
+  options_.moe.accumulate = true;
 }
 
-cpu_moe::Options CpuExpertBackend::DefaultOptions(bool deterministic, bool f32_activations) {
-  cpu_moe::Options o = cpu_moe::Options::FromEnv();
+CpuExpertBackend::Options CpuExpertBackend::DefaultOptions(bool deterministic,
+                                                           bool f32_activations) {
+  Options o{cpu_moe::Options::FromEnv(), cpu_moe::internal::Tuning::FromEnv()};
   if (deterministic) {
-    o.amx = false;
-    o.onednn_min_tokens_per_expert = 0;
+    o.tuning.amx = false;
+    o.moe.onednn_min_tokens_per_expert = 0;
   }
   if (f32_activations) {
     // cpu_moe's oneDNN path (experts with many routes) always rounds activations to bf16.
-    o.bf16_dot_product = false;
-    o.onednn_min_tokens_per_expert = 0;
+    o.moe.bf16_dot_product = false;
+    o.moe.onednn_min_tokens_per_expert = 0;
   }
   return o;
 }
@@ -36,8 +37,9 @@ absl::Status CpuExpertBackend::Forward(int moe_layer, int num_tokens, int top_k,
   cpu_moe::ForwardStats stats;
   const size_t n = static_cast<size_t>(num_tokens) * bank.hidden;
   absl::Status s =
-      cpu_moe::Forward(bank, num_tokens, top_k, ids, weights, absl::MakeConstSpan(x, n),
-                       absl::MakeSpan(y, n), options_, *pool_, &stats);
+      cpu_moe::internal::Forward(bank, num_tokens, top_k, ids, weights, absl::MakeConstSpan(x, n),
+                                 absl::MakeSpan(y, n), options_.moe, options_.tuning, *pool_,
+                                 &stats);
   total_routes_ += stats.routes;
   total_unique_ += stats.unique_experts;
   return s;

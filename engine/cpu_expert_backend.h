@@ -5,6 +5,8 @@
 //
 // In the deterministic mode the cpu_moe options are fixed so that a token's output does not
 // depend on the rest of the batch: no AMX and no oneDNN (both switch on by routes per expert).
+// AMX is a cpu_moe tuning knob (cpu_moe/internal/tuning.h), not a public option, so the backend
+// carries cpu_moe's internal tuning beside its options.
 //
 // Owns nothing but its options; the banks' memory and the pool must outlive it. Forward is
 // called by one thread at a time.
@@ -16,19 +18,26 @@
 
 #include "common/thread_pool.h"
 #include "cpu_moe/cpu_moe.h"
+#include "cpu_moe/internal/tuning.h"
 #include "engine/expert_backend.h"
 
 namespace moe::engine {
 
 class CpuExpertBackend final : public ExpertBackend {
  public:
-  CpuExpertBackend(std::vector<cpu_moe::ExpertBank> banks, const cpu_moe::Options& options,
+  // cpu_moe's public options and its internal tuning, as one call of cpu_moe::Forward takes them.
+  struct Options {
+    cpu_moe::Options moe;
+    cpu_moe::internal::Tuning tuning;
+  };
+
+  CpuExpertBackend(std::vector<cpu_moe::ExpertBank> banks, const Options& options,
                    common::ThreadPool* pool);
 
-  // The options the engine uses: cpu_moe's defaults (from the environment), with AMX and oneDNN
-  // off when deterministic; with `f32_activations` (reference comparisons) bf16_dot_product and
-  // oneDNN (which rounds activations to bf16) off.
-  static cpu_moe::Options DefaultOptions(bool deterministic, bool f32_activations);
+  // The options the engine uses: cpu_moe's defaults and tuning (from the environment, for
+  // sweeps), with AMX and oneDNN off when deterministic; with `f32_activations` (reference
+  // comparisons) bf16_dot_product and oneDNN (which rounds activations to bf16) off.
+  static Options DefaultOptions(bool deterministic, bool f32_activations);
 
   absl::Status Forward(int moe_layer, int num_tokens, int top_k, absl::Span<const int32_t> ids,
                        absl::Span<const float> weights, const float* x, float* y) override;
@@ -40,7 +49,7 @@ class CpuExpertBackend final : public ExpertBackend {
 
  private:
   std::vector<cpu_moe::ExpertBank> banks_;
-  cpu_moe::Options options_;
+  Options options_;
   common::ThreadPool* pool_;
   uint64_t total_routes_ = 0, total_unique_ = 0;
 };
