@@ -29,6 +29,9 @@ ABSL_FLAG(int, kv_blocks, 0, "KV cache blocks of 16 tokens; 0: sized from max_ba
 ABSL_FLAG(int, prefill_chunk, 256, "prompt tokens of one sequence per step");
 ABSL_FLAG(bool, deterministic, false,
           "results of a sequence independent of the batch (fixed kernels; slower)");
+ABSL_FLAG(std::string, backend, "cpu",
+          "where the model runs: cpu, or cuda (dense layers, attention and the KV cache on the "
+          "GPU, routed experts from a GPU slot cache fed from host memory)");
 ABSL_FLAG(double, gpu_expert_budget_gb, 0,
           "GPU engine: GiB of GPU memory for the expert cache's slots (at least top_k slots per "
           "MoE layer, at most every expert); 0: automatic, what is left after dense weights, "
@@ -65,7 +68,12 @@ absl::StatusOr<ModelEngineOptions> ModelEngineOptionsFromFlags() {
   if (options.prefill_chunk < 1) {
     return bad("prefill_chunk", options.prefill_chunk, "must be >= 1");
   }
-  RETURN_IF_ERROR(GpuEngineOptionsFromFlags().status());
+  ASSIGN_OR_RETURN(options.gpu, GpuEngineOptionsFromFlags());
+  options.backend = absl::GetFlag(FLAGS_backend);
+  if (options.backend != "cpu" && options.backend != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend=", options.backend, ": must be cpu or cuda"));
+  }
   return options;
 }
 

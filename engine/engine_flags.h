@@ -1,6 +1,6 @@
 // Command-line flags shared by every binary that builds a ModelEngine (the server,
 // tools/generate): --model, --expert_format, --threads, --max_batch, --max_context, --kv_blocks,
-// --prefill_chunk, --deterministic, and the GPU engine's --gpu_expert_budget_gb,
+// --prefill_chunk, --deterministic, --backend, and the GPU engine's --gpu_expert_budget_gb,
 // --moe_cache_policy, --adapt_every (which the CPU engine validates and ignores). Dashed
 // spellings (--expert-format) are accepted too: ParseCommandLine rewrites them before Abseil
 // parses.
@@ -24,6 +24,7 @@ ABSL_DECLARE_FLAG(int, max_context);
 ABSL_DECLARE_FLAG(int, kv_blocks);
 ABSL_DECLARE_FLAG(int, prefill_chunk);
 ABSL_DECLARE_FLAG(bool, deterministic);
+ABSL_DECLARE_FLAG(std::string, backend);
 ABSL_DECLARE_FLAG(double, gpu_expert_budget_gb);
 ABSL_DECLARE_FLAG(std::string, moe_cache_policy);
 ABSL_DECLARE_FLAG(int, adapt_every);
@@ -34,17 +35,8 @@ namespace moe::engine {
 // the GPU engine's flags included.
 absl::StatusOr<ModelEngineOptions> ModelEngineOptionsFromFlags();
 
-// The GPU engine's own options (with ModelEngineOptions' max_batch, max_context, kv_block_size
-// and expert_format they make its GpuMemoryRequest, engine/gpu_memory_plan.h).
-struct GpuEngineOptions {
-  double expert_budget_gb = 0;  // GiB for expert slots; 0: automatic
-  // Eviction policy: moe_cache::kPolicyLru, kPolicyLfu or kPolicyScored.
-  int32_t cache_policy = moe_cache::kPolicyScored;
-  // "pinned": the scored policy plus moe_cache::HotPinner re-choosing pinned hot experts every
-  // adapt_every steps.
-  bool pin_hot_experts = false;
-  int adapt_every = 16;
-};
+// The GPU engine's own options (GpuEngineOptions, engine/model_engine.h) come from
+// --gpu_expert_budget_gb, --moe_cache_policy and --adapt_every.
 
 // The cache policies --moe_cache_policy takes, in the order its help lists them.
 const std::vector<std::string>& MoeCachePolicyNames();

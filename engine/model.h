@@ -21,6 +21,7 @@
 #include "common/thread_pool.h"
 #include "engine/dense.h"
 #include "engine/expert_backend.h"
+#include "engine/forward_model.h"
 #include "engine/kv_cache.h"
 #include "engine/model_weights.h"
 #include "engine/rope.h"
@@ -37,16 +38,9 @@ class Model {
                                                        common::ThreadPool* pool, bool deterministic,
                                                        int max_positions);
 
-  enum class Logits { kNone, kLast, kAll };
-  // A run of consecutive tokens of one sequence, starting at position `start`; its KV blocks
-  // (block_table) must already cover positions [0, start + tokens.size()), and positions
-  // [0, start) must hold this sequence's keys and values.
-  struct Chunk {
-    absl::Span<const int32_t> tokens;
-    int start = 0;
-    const std::vector<int32_t>* block_table = nullptr;
-    Logits logits = Logits::kLast;
-  };
+  // The chunk type every model shares (engine/forward_model.h).
+  using Logits = ChunkLogits;
+  using Chunk = ModelChunk;
 
   // Runs the chunks as one batch, writes their keys and values into `kv`, and appends to
   // `logits` one [vocab] row per wanted token, in chunk order. InvalidArgument for token ids

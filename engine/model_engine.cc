@@ -21,6 +21,8 @@
 #include "common/status.h"
 #include "common/thread_pool.h"
 #include "engine/cpu_expert_backend.h"
+#include "engine/cuda/gpu_model.h"
+#include "engine/forward_model.h"
 #include "engine/kv_cache.h"
 #include "engine/loader.h"
 #include "engine/model.h"
@@ -48,6 +50,49 @@ struct Sequence {
   std::string text;      // output text decoded so far
   size_t text_sent = 0;  // bytes of `text` already delivered
   int outputs() const { return static_cast<int>(tokens.size()) - prompt_len; }
+};
+
+// The CPU model over a host KV cache, as a ForwardModel. Owns the expert backend, the model and
+// the KV storage; borrows the weights, banks and thread pool.
+class CpuForwardModel final : public ForwardModel {
+ public:
+  static absl::StatusOr<std::unique_ptr<ForwardModel>> Create(const ModelEngineParts& parts,
+                                                              const ModelEngineOptions& options,
+                                                              common::ThreadPool* pool,
+                                                              int max_context, int kv_blocks) {
+    const ModelConfig& c = parts.weights->config;
+    auto m = std::unique_ptr<CpuForwardModel>(new CpuForwardModel());
+    m->backend_ = std::make_unique<CpuExpertBackend>(
+        parts.banks,
+        CpuExpertBackend::DefaultOptions(options.deterministic, parts.f32_expert_activations),
+        pool);
+    ASSIGN_OR_RETURN(m->model_, Model::Create(parts.weights, m->backend_.get(), pool,
+                                              options.deterministic, max_context));
+    ASSIGN_OR_RETURN(m->kv_, KvCache::Create(c.num_hidden_layers, c.num_key_value_heads,
+                                             c.head_dim, options.kv_block_size, kv_blocks));
+    for (const auto& b : parts.banks) m->weight_bytes_ += b.BytesPerExpert() * b.num_experts;
+    return std::unique_ptr<ForwardModel>(std::move(m));
+  }
+
+  absl::Status Forward(absl::Span<const ModelChunk> chunks, std::vector<float>* logits) override {
+    return model_->Forward(chunks, kv_.get(), logits);
+  }
+  const ModelConfig& config() const override { return model_->config(); }
+  int max_positions() const override { return model_->max_positions(); }
+  int kv_blocks() const override { return kv_->num_blocks(); }
+  int kv_block_size() const override { return kv_->block_size(); }
+  uint64_t memory_bytes() const override { return weight_bytes_ + kv_->bytes(); }
+  std::string backend() const override { return "cpu"; }
+  void set_routing_override(RoutingOverride* routing) override {
+    model_->set_routing_override(routing);
+  }
+
+ private:
+  CpuForwardModel() = default;
+  std::unique_ptr<CpuExpertBackend> backend_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<KvCache> kv_;
+  uint64_t weight_bytes_ = 0;
 };
 
 class ModelEngine final : public Engine {
@@ -90,9 +135,10 @@ class ModelEngine final : public Engine {
   ModelEngineOptions options_;
   ModelInfo info_;
   std::unique_ptr<common::ThreadPool> pool_;
-  std::unique_ptr<CpuExpertBackend> backend_;
-  std::unique_ptr<Model> model_;
-  std::unique_ptr<KvCache> kv_;
+  // The GPU model's expert store when the parts' weights hold none (models made in memory).
+  std::unique_ptr<moe_cache::ExpertStore> store_;
+  std::unique_ptr<ForwardModel> model_;
+  std::unique_ptr<KvBlockAllocator> kv_;
   size_t max_stop_len_ = 0;
 
   // Step-thread state.
@@ -110,41 +156,57 @@ class ModelEngine final : public Engine {
 
 absl::Status ModelEngine::Init() {
   const ModelConfig& c = parts_.weights->config;
-  const int threads = options_.threads > 0 ? options_.threads : common::PhysicalCoreCount();
-  pool_ = std::make_unique<common::ThreadPool>(threads);
-  backend_ = std::make_unique<CpuExpertBackend>(
-      parts_.banks,
-      CpuExpertBackend::DefaultOptions(options_.deterministic, parts_.f32_expert_activations),
-      pool_.get());
   if (static_cast<int>(parts_.banks.size()) != c.NumMoeLayers()) {
     return absl::InvalidArgumentError(
         absl::StrCat(parts_.banks.size(), " expert banks for ", c.NumMoeLayers(), " MoE layers"));
   }
-  ASSIGN_OR_RETURN(model_, Model::Create(parts_.weights, backend_.get(), pool_.get(),
-                                         options_.deterministic, info_.max_context));
+  const int threads = options_.threads > 0 ? options_.threads : common::PhysicalCoreCount();
+  pool_ = std::make_unique<common::ThreadPool>(threads);
   const int bs = options_.kv_block_size;
   const int per_seq = (info_.max_context + bs - 1) / bs;
-  int blocks = options_.kv_blocks;
-  const uint64_t block_bytes =
-      2ull * c.num_hidden_layers * c.num_key_value_heads * bs * c.head_dim * sizeof(float);
-  if (blocks == 0) {
-    uint64_t want = static_cast<uint64_t>(per_seq) * options_.max_batch;
-    const uint64_t pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-    const uint64_t cap = std::max<uint64_t>(per_seq, pages * page / 4 / block_bytes);
-    blocks = static_cast<int>(std::min(want, cap));
+  if (options_.backend == "cuda") {
+    const moe_cache::ExpertStore* store = parts_.weights->experts.get();
+    if (store == nullptr && !parts_.banks.empty()) {
+      ASSIGN_OR_RETURN(store_, gpu::ExpertStoreFromBanks(parts_.banks));
+      store = store_.get();
+    }
+    gpu::GpuModelOptions go;
+    go.max_batch = options_.max_batch;
+    go.max_step_tokens = std::max(options_.max_batch, options_.prefill_chunk);
+    go.max_context = info_.max_context;
+    go.kv_block_size = bs;
+    go.kv_blocks = options_.kv_blocks;
+    go.expert_budget_gib = options_.gpu.expert_budget_gb;
+    go.cache_policy = options_.gpu.cache_policy;
+    go.deterministic = options_.deterministic;
+    if (options_.gpu.pin_hot_experts) {
+      return absl::UnimplementedError(
+          "--moe_cache_policy pinned: the CUDA backend does not pin hot experts yet; use "
+          "scored, lru or lfu");
+    }
+    ASSIGN_OR_RETURN(model_, gpu::GpuModel::Create(parts_.weights, store, go));
+  } else {
+    int blocks = options_.kv_blocks;
+    const uint64_t block_bytes =
+        2ull * c.num_hidden_layers * c.num_key_value_heads * bs * c.head_dim * sizeof(float);
+    if (blocks == 0) {
+      uint64_t want = static_cast<uint64_t>(per_seq) * options_.max_batch;
+      const uint64_t pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+      const uint64_t cap = std::max<uint64_t>(per_seq, pages * page / 4 / block_bytes);
+      blocks = static_cast<int>(std::min(want, cap));
+    }
+    if (blocks < per_seq) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv_blocks ", blocks, " of ", bs, " tokens cannot hold one sequence of max_context ",
+          info_.max_context, " (needs ", per_seq, ")"));
+    }
+    ASSIGN_OR_RETURN(model_, CpuForwardModel::Create(parts_, options_, pool_.get(),
+                                                     info_.max_context, blocks));
   }
-  if (blocks < per_seq) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kv_blocks ", blocks, " of ", bs, " tokens cannot hold one sequence of max_context ",
-        info_.max_context, " (needs ", per_seq, ")"));
-  }
-  ASSIGN_OR_RETURN(
-      kv_, KvCache::Create(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, bs, blocks));
+  kv_ = std::make_unique<KvBlockAllocator>(model_->kv_blocks(), model_->kv_block_size());
   absl::MutexLock lock(&mu_);
-  stats_.kv_blocks_total = blocks;
-  uint64_t weight_bytes = 0;
-  for (const auto& b : parts_.banks) weight_bytes += b.BytesPerExpert() * b.num_experts;
-  stats_.memory_bytes = weight_bytes + kv_->bytes();
+  stats_.kv_blocks_total = model_->kv_blocks();
+  stats_.memory_bytes = model_->memory_bytes();
   return absl::OkStatus();
 }
 
@@ -429,7 +491,7 @@ absl::Status ModelEngine::Step() {
       chunks.push_back(ch);
     }
     std::vector<float> logits;
-    absl::Status st = model_->Forward(chunks, kv_.get(), &logits);
+    absl::Status st = model_->Forward(chunks, &logits);
     if (!st.ok()) {
       // The engine's own failure: end every running request with it.
       for (auto& s : running_) Finish(*s, FinishReason::kError, {}, st);
@@ -485,11 +547,13 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateModelEngineFromParts(
     ModelEngineParts parts, const ModelEngineOptions& options) {
   if (parts.weights == nullptr) return absl::InvalidArgumentError("no weights");
   if (options.max_batch < 1 || options.prefill_chunk < 1 || options.kv_block_size < 1 ||
-      options.kv_blocks < 0 || options.max_context < 0 || options.threads < 0) {
+      options.kv_blocks < 0 || options.max_context < 0 || options.threads < 0 ||
+      (options.backend != "cpu" && options.backend != "cuda")) {
     return absl::InvalidArgumentError(absl::StrCat(
         "engine options: max_batch ", options.max_batch, ", prefill_chunk ", options.prefill_chunk,
         ", kv_block_size ", options.kv_block_size, " must be >= 1; kv_blocks ", options.kv_blocks,
-        ", max_context ", options.max_context, ", threads ", options.threads, " >= 0"));
+        ", max_context ", options.max_context, ", threads ", options.threads,
+        " >= 0; backend \"", options.backend, "\" must be cpu or cuda"));
   }
   const ModelConfig& c = parts.weights->config;
   ModelInfo info;
@@ -508,7 +572,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateModelEngineFromParts(
   info.num_experts = c.num_experts;
   info.experts_per_token = c.num_experts_per_tok;
   info.expert_format = options.expert_format;
-  info.backend = "cpu";
+  info.backend = options.backend;
   auto engine = std::make_unique<ModelEngine>(std::move(parts), options, std::move(info));
   RETURN_IF_ERROR(engine->Init());
   return engine;

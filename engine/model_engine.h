@@ -1,7 +1,8 @@
 // ModelEngine: the Engine (engine.h) that runs a Hugging Face MoE checkpoint (qwen3_moe,
-// qwen2_moe) on the CPU: dense layers through oneDNN, attention over a paged KV cache, routed
-// experts through an ExpertBackend (cpu_moe today), sampling per sequence with its own RNG, and
-// continuous batching (chunked prefill, one decode token per running sequence per step,
+// qwen2_moe) through a ForwardModel (engine/forward_model.h): on the CPU (dense layers through
+// oneDNN, attention over a paged KV cache, routed experts through cpu_moe) or on the GPU
+// (options.backend "cuda", engine/cuda/gpu_model.h), with sampling per sequence with its own
+// RNG, and continuous batching (chunked prefill, one decode token per running sequence per step,
 // preemption of the newest sequence when the KV pool runs out).
 //
 // CreateModelEngine loads the model folder (weights, tokenizer, chat template) and returns an
@@ -19,8 +20,22 @@
 #include "cpu_moe/cpu_moe.h"
 #include "engine/engine.h"
 #include "engine/model_weights.h"
+#include "moe_cache/policy_core.h"
 
 namespace moe::engine {
+
+// The CUDA backend's own options (with ModelEngineOptions' max_batch, max_context,
+// kv_block_size, prefill_chunk and expert_format they make its GpuMemoryRequest,
+// engine/gpu_memory_plan.h).
+struct GpuEngineOptions {
+  double expert_budget_gb = 0;  // GiB for expert slots; 0: automatic
+  // Eviction policy: moe_cache::kPolicyLru, kPolicyLfu or kPolicyScored.
+  int32_t cache_policy = moe_cache::kPolicyScored;
+  // "pinned": the scored policy plus moe_cache::HotPinner re-choosing pinned hot experts every
+  // adapt_every steps.
+  bool pin_hot_experts = false;
+  int adapt_every = 16;
+};
 
 struct ModelEngineOptions {
   // A Hugging Face model folder (config.json, *.safetensors, tokenizer.json,
@@ -46,6 +61,11 @@ struct ModelEngineOptions {
   bool dense_f32 = false;
   // Seed of the engine's own seed generator (requests without a seed draw from it).
   uint64_t seed = 0;
+  // "cpu": everything on the CPU. "cuda": dense layers, attention and the KV cache on the GPU,
+  // routed experts from a GPU slot cache fed from host memory (engine/cuda/gpu_model.h); the
+  // GPU memory plan is printed to stderr at start.
+  std::string backend = "cpu";
+  GpuEngineOptions gpu;  // backend "cuda" only
 };
 
 // Loads the model and builds the engine. InvalidArgument for bad options, NotFound / the

@@ -1,0 +1,913 @@
+#include "engine/cuda/gpu_model.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/cuda_status.h"
+#include "common/formats.h"
+#include "common/status.h"
+#include "engine/loader.h"
+
+#if MOE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "engine/cuda/attention/paged_attention.h"
+#include "engine/cuda/experts/routed_experts.h"
+#include "engine/cuda/ops/gemm.h"
+#include "engine/cuda/ops/rope_table.h"
+#include "engine/cuda/ops/token_ops.h"
+#include "engine/cuda/route_kernels.h"
+#include "engine/rope.h"
+#include "moe_cache/gpu/ensure_kernels.h"
+#include "moe_cache/gpu/gather_kernels.h"
+#include "moe_cache/gpu/slot_pool.h"
+#include "moe_overlap/fork_join.h"
+#include "moe_overlap/stream_pair.h"
+#endif
+
+namespace moe::engine::gpu {
+
+absl::StatusOr<std::unique_ptr<moe_cache::ExpertStore>> ExpertStoreFromBanks(
+    absl::Span<const cpu_moe::ExpertBank> banks, int num_layers, int num_experts) {
+  if (banks.empty()) return absl::InvalidArgumentError("no expert banks");
+  const cpu_moe::ExpertBank& b0 = banks[0];
+  if (num_layers <= 0) num_layers = static_cast<int>(banks.size());
+  if (num_experts <= 0) num_experts = b0.num_experts;
+  for (const cpu_moe::ExpertBank& b : banks) {
+    if (b.format != b0.format || b.hidden != b0.hidden || b.intermediate != b0.intermediate ||
+        b.num_experts <= 0) {
+      return absl::InvalidArgumentError("expert banks of different formats or shapes");
+    }
+    const bool panels = b.layout == cpu_moe::Layout::kPanels;
+    if ((b.format == common::WeightFormat::kBf16) == panels) {
+      return absl::InvalidArgumentError(
+          "expert banks must be bf16 row-major or a 4-bit format in panels");
+    }
+  }
+  ASSIGN_OR_RETURN(moe_cache::BankLayout layout,
+                   ExpertBankLayout(b0.format, b0.hidden, b0.intermediate));
+  int gu = -1, dn = -1;
+  for (int i = 0; i < layout.num_banks(); ++i) {
+    if (layout.bank(i).name == "gate_up") gu = i;
+    if (layout.bank(i).name == "down") dn = i;
+  }
+  if (gu < 0 || dn < 0 || layout.num_banks() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("format ", std::string(common::WeightFormatName(b0.format)),
+                     ": only gate_up and down banks can be copied from cpu_moe banks"));
+  }
+  const uint64_t gu_bytes = b0.GateUpBytesPerExpert(), dn_bytes = b0.DownBytesPerExpert();
+  if (gu_bytes != layout.bank(gu).bytes || dn_bytes != layout.bank(dn).bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cpu_moe bank of ", gu_bytes, " + ", dn_bytes, " bytes per expert; the store wants ",
+        layout.bank(gu).bytes, " + ", layout.bank(dn).bytes));
+  }
+  moe_cache::ExpertStore::Options so;
+  so.num_layers = num_layers;
+  so.num_experts = num_experts;
+  ASSIGN_OR_RETURN(std::unique_ptr<moe_cache::ExpertStore> store,
+                   moe_cache::ExpertStore::Create(so, layout));
+  const int total = num_layers * num_experts;
+  const int workers = std::max(1, std::min(8, static_cast<int>(std::thread::hardware_concurrency())));
+  std::vector<absl::Status> errors(workers);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      for (int g = w; g < total && errors[w].ok(); g += workers) {
+        const int l = g / num_experts, e = g % num_experts;
+        const cpu_moe::ExpertBank& b = banks[l % banks.size()];
+        const int src = e % b.num_experts;
+        const auto* gp = static_cast<const uint8_t*>(b.gate_up_weights) + src * gu_bytes;
+        const auto* dp = static_cast<const uint8_t*>(b.down_weights) + src * dn_bytes;
+        errors[w] = store->WriteBank(l, e, gu, absl::MakeConstSpan(gp, gu_bytes));
+        if (errors[w].ok()) errors[w] = store->WriteBank(l, e, dn, absl::MakeConstSpan(dp, dn_bytes));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors) RETURN_IF_ERROR(e);
+  return store;
+}
+
+#if MOE_HAVE_CUDA
+
+namespace {
+
+// One device allocation, freed on destruction.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  ~DeviceBuffer() {
+    if (p_ != nullptr) cudaFree(p_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  absl::Status Allocate(uint64_t bytes, const std::string& what) {
+    const cudaError_t e = cudaMalloc(&p_, std::max<uint64_t>(bytes, 16));
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      p_ = nullptr;
+      size_t free_b = 0, total_b = 0;
+      cudaMemGetInfo(&free_b, &total_b);
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "GPU memory: ", what, " (", FormatBytes(bytes), ") did not fit: ",
+          cudaGetErrorString(e), "; ", FormatBytes(free_b), " free of ", FormatBytes(total_b)));
+    }
+    bytes_ = bytes;
+    return absl::OkStatus();
+  }
+  void* get() const { return p_; }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  uint64_t bytes_ = 0;
+};
+
+// A bf16 [n, k] matrix in device memory.
+struct DenseW {
+  const uint16_t* w = nullptr;
+  int n = 0, k = 0;
+  bool empty() const { return w == nullptr; }
+};
+
+struct GpuLayer {
+  const float* input_norm = nullptr;
+  const float* post_norm = nullptr;
+  DenseW q, k, v, o;
+  const float *q_bias = nullptr, *k_bias = nullptr, *v_bias = nullptr;
+  const float *q_norm = nullptr, *k_norm = nullptr;
+  bool is_moe = false;
+  int moe_index = -1;
+  DenseW router;
+  DenseW shared_gate_up, shared_down, shared_gate;  // empty without a shared expert
+  DenseW mlp_gate_up, mlp_down;                     // dense layers only
+};
+
+std::vector<uint16_t> ToBf16(const Tensor& t) {
+  std::vector<uint16_t> out(static_cast<size_t>(t.numel()));
+  if (t.dtype == DType::kBf16) {
+    std::memcpy(out.data(), t.bf16(), out.size() * 2);
+  } else {
+    for (size_t i = 0; i < out.size(); ++i) out[i] = common::FloatToBf16(t.f32()[i]);
+  }
+  return out;
+}
+
+std::vector<float> ToF32(const Tensor& t) {
+  std::vector<float> out(static_cast<size_t>(t.numel()));
+  for (int64_t r = 0; r < t.rows; ++r) {
+    for (int64_t c = 0; c < t.cols; ++c) out[r * t.cols + c] = t.At(r, c);
+  }
+  return out;
+}
+
+}  // namespace
+
+struct GpuModel::Impl {
+  const ModelWeights* w = nullptr;
+  const moe_cache::ExpertStore* store = nullptr;
+  GpuModelOptions opt;
+  GpuMemoryPlan plan;
+  int max_context = 0;
+  int step_rows = 0;    // Tm: rows of one pass
+  int max_chunks = 0;   // chunks of one pass
+  int max_blocks = 0;   // block table width (blocks per sequence)
+  int kv_blocks = 0;
+  int total_slots = 0;
+  int rows_per_call = 0;  // rows of one ensure call (the pool holds their experts)
+  int max_calls = 0;      // ensure calls of one pass
+  int logit_rows = 0;
+  uint64_t dense_bytes = 0;
+  RoutingOverride* routing = nullptr;
+  GpuCacheStats stats;
+
+  std::vector<std::unique_ptr<DeviceBuffer>> owned;
+  std::vector<GpuLayer> layers;
+  DenseW embed, lm_head;
+  const float* final_norm = nullptr;
+
+  std::unique_ptr<moe_overlap::StreamPair> pair;
+  std::unique_ptr<DenseGemm> gemm;
+  std::unique_ptr<DeviceRopeTable> rope;
+  std::unique_ptr<PagedKvPool> kv;
+  std::unique_ptr<DecodeWorkspace> decode_ws;
+  std::unique_ptr<moe_cache::SlotPool> pool;
+  SlotBanks banks;
+  std::unique_ptr<moe_cache::DeviceCacheState> cache;
+  moe_cache::GatherDescriptor desc{};
+  moe_cache::GatherLaunchConfig gather;
+  std::unique_ptr<ExpertWorkspace> expert_ws;
+
+  // Device activations and per-pass inputs (carved from one allocation).
+  int32_t *d_tokens = nullptr, *d_positions = nullptr, *d_seq_ids = nullptr,
+          *d_seq_lens = nullptr, *d_tables = nullptr, *d_forced = nullptr;
+  float *h = nullptr, *xn = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *attn = nullptr;
+  float *router_logits = nullptr, *route_w = nullptr, *mlp = nullptr, *shared_out = nullptr,
+        *gate_logit = nullptr, *sel = nullptr, *logits = nullptr;
+  uint16_t *xb = nullptr, *attnb = nullptr, *actb = nullptr, *selb = nullptr;
+  int32_t *route_ids = nullptr, *slot_ids = nullptr, *plan_counts = nullptr;
+  moe_cache::MissPlanEntry* plan_entries = nullptr;
+  // Pinned host staging of the per-pass inputs and the plan counts read back.
+  void* host_block = nullptr;
+  int32_t *h_tokens = nullptr, *h_positions = nullptr, *h_seq_ids = nullptr,
+          *h_seq_lens = nullptr, *h_tables = nullptr, *h_forced = nullptr, *h_counts = nullptr;
+  std::vector<int32_t> forced;  // [moe_layers, rows, k] of the current Forward
+
+  ~Impl() {
+    cudaDeviceSynchronize();
+    if (host_block != nullptr) cudaFreeHost(host_block);
+  }
+
+  CUstream_st* stream() const { return pair->compute(); }
+
+  absl::Status Init(const ModelWeights* weights, const moe_cache::ExpertStore* st,
+                    const GpuModelOptions& options);
+  absl::StatusOr<const uint16_t*> UploadBf16(const std::vector<uint16_t>& host,
+                                             const std::string& what);
+  absl::StatusOr<const float*> UploadF32(const Tensor& t, const std::string& what);
+  absl::StatusOr<DenseW> UploadMatrix(const Tensor& t, const std::string& what);
+  absl::StatusOr<DenseW> UploadStacked(const Tensor& a, const Tensor& b, const std::string& what);
+
+  absl::Status Gemm(const DenseW& w, const uint16_t* x, int rows, float* y, bool accumulate,
+                    const float* bias = nullptr);
+
+  struct Piece {
+    int chunk = 0;
+    int offset = 0;  // first token of the chunk in this piece
+    int count = 0;
+    bool last = false;  // holds the chunk's last token
+  };
+  absl::Status RunPass(absl::Span<const ModelChunk> chunks, const std::vector<Piece>& pieces,
+                       int row0, int total_rows, std::vector<float>* logits);
+  absl::Status MoeBlock(const GpuLayer& lw, int rows, int* calls, int64_t* routes);
+};
+
+absl::StatusOr<const uint16_t*> GpuModel::Impl::UploadBf16(const std::vector<uint16_t>& host,
+                                                           const std::string& what) {
+  auto buf = std::make_unique<DeviceBuffer>();
+  RETURN_IF_ERROR(buf->Allocate(host.size() * 2, what));
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(buf->get(), host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+  dense_bytes += host.size() * 2;
+  const auto* p = static_cast<const uint16_t*>(buf->get());
+  owned.push_back(std::move(buf));
+  return p;
+}
+
+absl::StatusOr<const float*> GpuModel::Impl::UploadF32(const Tensor& t, const std::string& what) {
+  if (t.empty()) return nullptr;
+  const std::vector<float> host = ToF32(t);
+  auto buf = std::make_unique<DeviceBuffer>();
+  RETURN_IF_ERROR(buf->Allocate(host.size() * 4, what));
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(buf->get(), host.data(), host.size() * 4, cudaMemcpyHostToDevice));
+  dense_bytes += host.size() * 4;
+  const auto* p = static_cast<const float*>(buf->get());
+  owned.push_back(std::move(buf));
+  return p;
+}
+
+absl::StatusOr<DenseW> GpuModel::Impl::UploadMatrix(const Tensor& t, const std::string& what) {
+  DenseW d;
+  if (t.empty()) return d;
+  ASSIGN_OR_RETURN(d.w, UploadBf16(ToBf16(t), what));
+  d.n = static_cast<int>(t.rows);
+  d.k = static_cast<int>(t.cols);
+  return d;
+}
+
+absl::StatusOr<DenseW> GpuModel::Impl::UploadStacked(const Tensor& a, const Tensor& b,
+                                                     const std::string& what) {
+  DenseW d;
+  if (a.empty()) return d;
+  if (a.cols != b.cols || a.rows != b.rows) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": gate and up shapes differ"));
+  }
+  std::vector<uint16_t> host = ToBf16(a);
+  const std::vector<uint16_t> second = ToBf16(b);
+  host.insert(host.end(), second.begin(), second.end());
+  ASSIGN_OR_RETURN(d.w, UploadBf16(host, what));
+  d.n = static_cast<int>(a.rows * 2);
+  d.k = static_cast<int>(a.cols);
+  return d;
+}
+
+absl::Status GpuModel::Impl::Gemm(const DenseW& w, const uint16_t* x, int rows, float* y,
+                                  bool accumulate, const float* bias) {
+  GemmArgs a;
+  a.w = w.w;
+  a.bias = bias;
+  a.accumulate = accumulate;
+  a.n = w.n;
+  a.k = w.k;
+  if (!opt.deterministic || rows <= 1) {
+    a.x = x;
+    a.y = y;
+    a.rows = rows;
+    return gemm->Run(a);
+  }
+  // One row at a time: a row's result does not depend on how many rows the batch has.
+  a.rows = 1;
+  for (int r = 0; r < rows; ++r) {
+    a.x = x + static_cast<int64_t>(r) * w.k;
+    a.y = y + static_cast<int64_t>(r) * w.n;
+    RETURN_IF_ERROR(gemm->Run(a));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::ExpertStore* st,
+                                  const GpuModelOptions& options) {
+  w = weights;
+  store = st;
+  opt = options;
+  const ModelConfig& c = w->config;
+  const int H = c.hidden_size, nh = c.num_attention_heads, nkv = c.num_key_value_heads,
+            hd = c.head_dim, E = c.num_experts, K = c.num_experts_per_tok,
+            L = c.num_hidden_layers, M = c.NumMoeLayers();
+  if (c.model_type != "qwen3_moe" && c.model_type != "qwen2_moe") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the CUDA backend serves qwen3_moe and qwen2_moe, not ", c.model_type));
+  }
+  if (nh <= 0 || nkv <= 0 || nh % nkv != 0 || static_cast<int>(w->layers.size()) != L) {
+    return absl::InvalidArgumentError("bad attention heads or layer count");
+  }
+  if (opt.max_batch < 1 || opt.max_step_tokens < 0 || opt.max_context < 0 || opt.kv_blocks < 0 ||
+      opt.kv_block_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GPU model options: max_batch ", opt.max_batch, " must be >= 1; max_step_tokens ",
+        opt.max_step_tokens, ", max_context ", opt.max_context, ", kv_blocks ", opt.kv_blocks,
+        " >= 0"));
+  }
+  if (M > 0) {
+    if (store == nullptr) return absl::InvalidArgumentError("no expert store");
+    if (w->expert_format != common::WeightFormat::kBf16 &&
+        w->expert_format != common::WeightFormat::kQ4_0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the CUDA backend computes bf16 and q4_0 experts, not ",
+                       std::string(common::WeightFormatName(w->expert_format))));
+    }
+    if (store->num_layers() != M || store->num_experts() != E) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "expert store of ", store->num_layers(), " x ", store->num_experts(),
+          " experts for a model of ", M, " MoE layers x ", E));
+    }
+    if (E > kMaxRouterExperts || K > kMaxRouterTopK || K > E) {
+      return absl::InvalidArgumentError(absl::StrCat("top-", K, " of ", E,
+                                                     " experts: the GPU router serves at most ",
+                                                     kMaxRouterTopK, " of ", kMaxRouterExperts));
+    }
+  }
+  max_context = opt.max_context > 0
+                    ? opt.max_context
+                    : std::min(c.max_position_embeddings > 0 ? c.max_position_embeddings : 4096,
+                               4096);
+  step_rows = opt.max_step_tokens > 0 ? opt.max_step_tokens : std::max(opt.max_batch, 256);
+  if (K > 0) step_rows = std::min(step_rows, ExpertWorkspace::kMaxRoutes / K);
+  max_chunks = std::min(opt.max_batch, step_rows);
+  logit_rows = std::min(step_rows, std::max(opt.max_batch, 8));
+
+  RETURN_IF_ERROR(common::CudaAvailable());
+  size_t free_b = 0, total_b = 0;
+  CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_b, &total_b));
+  GpuMemoryRequest req;
+  req.expert_format = w->expert_format;
+  req.gpu_free_bytes = free_b;
+  req.expert_budget_gib = opt.expert_budget_gib;
+  req.max_context = max_context;
+  req.max_batch = opt.max_batch;
+  req.max_step_tokens = step_rows;
+  req.kv_block_size = opt.kv_block_size;
+  ASSIGN_OR_RETURN(plan, PlanGpuMemory(c, req));
+  if (opt.print_plan) std::fprintf(stderr, "%s\n", plan.Summary().c_str());
+  kv_blocks = opt.kv_blocks > 0 ? opt.kv_blocks : plan.kv_blocks;
+  max_blocks = (max_context + opt.kv_block_size - 1) / opt.kv_block_size;
+  if (kv_blocks < max_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat("kv_blocks ", kv_blocks,
+                                                   " cannot hold one sequence of max_context ",
+                                                   max_context, " (needs ", max_blocks, ")"));
+  }
+
+  moe_overlap::OverlapOptions oo;
+  oo.overlap = opt.overlap;
+  ASSIGN_OR_RETURN(oo, moe_overlap::OverlapOptionsFromEnv(oo));
+  ASSIGN_OR_RETURN(pair, moe_overlap::StreamPair::Create(oo));
+  ASSIGN_OR_RETURN(gemm, DenseGemm::Create(pair->compute()));
+
+  // Dense weights, bf16 (norms and biases f32).
+  ASSIGN_OR_RETURN(embed, UploadMatrix(w->embed_tokens, "embeddings"));
+  if (w->lm_head.empty()) {
+    lm_head = embed;
+  } else {
+    ASSIGN_OR_RETURN(lm_head, UploadMatrix(w->lm_head, "LM head"));
+  }
+  ASSIGN_OR_RETURN(final_norm, UploadF32(w->final_norm, "final norm"));
+  layers.resize(L);
+  for (int l = 0; l < L; ++l) {
+    const LayerWeights& lw = w->layers[l];
+    GpuLayer& g = layers[l];
+    const std::string at = absl::StrCat("layer ", l, " ");
+    ASSIGN_OR_RETURN(g.input_norm, UploadF32(lw.input_layernorm, at + "input norm"));
+    ASSIGN_OR_RETURN(g.post_norm, UploadF32(lw.post_attention_layernorm, at + "post norm"));
+    ASSIGN_OR_RETURN(g.q, UploadMatrix(lw.q_proj, at + "q_proj"));
+    ASSIGN_OR_RETURN(g.k, UploadMatrix(lw.k_proj, at + "k_proj"));
+    ASSIGN_OR_RETURN(g.v, UploadMatrix(lw.v_proj, at + "v_proj"));
+    ASSIGN_OR_RETURN(g.o, UploadMatrix(lw.o_proj, at + "o_proj"));
+    ASSIGN_OR_RETURN(g.q_bias, UploadF32(lw.q_bias, at + "q bias"));
+    ASSIGN_OR_RETURN(g.k_bias, UploadF32(lw.k_bias, at + "k bias"));
+    ASSIGN_OR_RETURN(g.v_bias, UploadF32(lw.v_bias, at + "v bias"));
+    ASSIGN_OR_RETURN(g.q_norm, UploadF32(lw.q_norm, at + "q norm"));
+    ASSIGN_OR_RETURN(g.k_norm, UploadF32(lw.k_norm, at + "k norm"));
+    g.is_moe = lw.is_moe;
+    g.moe_index = lw.moe_index;
+    if (lw.is_moe) {
+      ASSIGN_OR_RETURN(g.router, UploadMatrix(lw.router, at + "router"));
+      ASSIGN_OR_RETURN(g.shared_gate_up, UploadStacked(lw.shared_gate_proj, lw.shared_up_proj,
+                                                       at + "shared expert gate/up"));
+      ASSIGN_OR_RETURN(g.shared_down, UploadMatrix(lw.shared_down_proj, at + "shared expert down"));
+      ASSIGN_OR_RETURN(g.shared_gate, UploadMatrix(lw.shared_expert_gate, at + "shared gate"));
+    } else {
+      ASSIGN_OR_RETURN(g.mlp_gate_up,
+                       UploadStacked(lw.mlp_gate_proj, lw.mlp_up_proj, at + "MLP gate/up"));
+      ASSIGN_OR_RETURN(g.mlp_down, UploadMatrix(lw.mlp_down_proj, at + "MLP down"));
+    }
+  }
+
+  ASSIGN_OR_RETURN(RopeParams rp, ComputeRopeParams(c));
+  ASSIGN_OR_RETURN(RopeCosSin cs, BuildRopeCosSin(rp, hd, max_context));
+  ASSIGN_OR_RETURN(rope, DeviceRopeTable::Create(cs));
+
+  {
+    auto kvp = PagedKvPool::Create(L, nkv, hd, opt.kv_block_size, kv_blocks);
+    if (!kvp.ok()) {
+      const uint64_t bytes = 2ull * L * nkv * hd * opt.kv_block_size * kv_blocks * 2;
+      return absl::Status(kvp.status().code(),
+                          absl::StrCat("GPU memory: KV cache of ", kv_blocks, " blocks (",
+                                       FormatBytes(bytes), "): ", kvp.status().message()));
+    }
+    kv = *std::move(kvp);
+  }
+  DecodeWorkspaceConfig dc;
+  dc.max_batch = max_chunks;
+  dc.num_q_heads = nh;
+  dc.num_kv_heads = nkv;
+  dc.head_dim = hd;
+  dc.max_context = max_context;
+  ASSIGN_OR_RETURN(decode_ws, DecodeWorkspace::Create(dc));
+
+  const int64_t T = step_rows;
+  if (M > 0) {
+    total_slots = std::min(plan.total_slots(), M * E);
+    {
+      auto p = moe_cache::SlotPool::Create(total_slots, store->layout());
+      if (!p.ok()) {
+        return absl::Status(
+            p.status().code(),
+            absl::StrCat("GPU memory: expert cache of ", total_slots, " slots (",
+                         FormatBytes(total_slots * store->layout().padded_bytes_per_expert()),
+                         "): ", p.status().message()));
+      }
+      pool = *std::move(p);
+    }
+    ASSIGN_OR_RETURN(banks, SlotBanksFromPool(*pool, w->expert_format, H, c.moe_intermediate_size));
+    ASSIGN_OR_RETURN(desc, moe_cache::MakeGatherDescriptor(*store, *pool));
+    ASSIGN_OR_RETURN(cache, moe_cache::DeviceCacheState::Create(
+                                M, E, total_slots, moe_cache::DefaultPolicyParams(opt.cache_policy)));
+    ExpertWorkspaceOptions eo;
+    eo.max_tokens = step_rows;
+    eo.top_k = K;
+    eo.hidden = H;
+    eo.intermediate = c.moe_intermediate_size;
+    eo.max_groups = E;
+    ASSIGN_OR_RETURN(expert_ws, ExpertWorkspace::Create(eo));
+    // An ensure call may place at most total_slots distinct experts: rows beyond that share the
+    // layer in several calls.
+    rows_per_call = total_slots >= E ? step_rows : std::max(1, total_slots / K);
+    max_calls = M * ((step_rows + rows_per_call - 1) / rows_per_call);
+  }
+
+  // Activations: one allocation, carved with 256-byte alignment.
+  const int64_t Q = static_cast<int64_t>(nh) * hd, KV = static_cast<int64_t>(nkv) * hd;
+  int64_t mlp_cols = 0;
+  for (const GpuLayer& g : layers) {
+    mlp_cols = std::max<int64_t>({mlp_cols, g.shared_gate_up.n, g.mlp_gate_up.n});
+  }
+  const int64_t routes = std::max<int64_t>(1, T * K);
+  const int64_t V = c.vocab_size;
+  const int64_t M64 = std::max(1, M);
+  std::vector<std::pair<void**, uint64_t>> parts = {
+      {reinterpret_cast<void**>(&d_tokens), T * 4},
+      {reinterpret_cast<void**>(&d_positions), T * 4},
+      {reinterpret_cast<void**>(&d_seq_ids), T * 4},
+      {reinterpret_cast<void**>(&d_seq_lens), static_cast<uint64_t>(max_chunks) * 4},
+      {reinterpret_cast<void**>(&d_tables), static_cast<uint64_t>(max_chunks) * max_blocks * 4},
+      {reinterpret_cast<void**>(&d_forced), M64 * routes * 4},
+      {reinterpret_cast<void**>(&h), T * H * 4},
+      {reinterpret_cast<void**>(&xn), T * H * 4},
+      {reinterpret_cast<void**>(&q), T * Q * 4},
+      {reinterpret_cast<void**>(&k), T * KV * 4},
+      {reinterpret_cast<void**>(&v), T * KV * 4},
+      {reinterpret_cast<void**>(&attn), T * Q * 4},
+      {reinterpret_cast<void**>(&router_logits), T * std::max(1, E) * 4},
+      {reinterpret_cast<void**>(&route_w), routes * 4},
+      {reinterpret_cast<void**>(&mlp), T * std::max<int64_t>(1, mlp_cols) * 4},
+      {reinterpret_cast<void**>(&shared_out), T * H * 4},
+      {reinterpret_cast<void**>(&gate_logit), T * 4},
+      {reinterpret_cast<void**>(&sel), static_cast<uint64_t>(logit_rows) * H * 4},
+      {reinterpret_cast<void**>(&logits), static_cast<uint64_t>(logit_rows) * V * 4},
+      {reinterpret_cast<void**>(&xb), T * H * 2},
+      {reinterpret_cast<void**>(&attnb), T * Q * 2},
+      {reinterpret_cast<void**>(&actb), T * std::max<int64_t>(1, mlp_cols) * 2},
+      {reinterpret_cast<void**>(&selb), static_cast<uint64_t>(logit_rows) * H * 2},
+      {reinterpret_cast<void**>(&route_ids), routes * 4},
+      {reinterpret_cast<void**>(&slot_ids), routes * 4},
+      {reinterpret_cast<void**>(&plan_counts), static_cast<uint64_t>(std::max(1, max_calls)) * 4},
+      {reinterpret_cast<void**>(&plan_entries), routes * sizeof(moe_cache::MissPlanEntry)},
+  };
+  uint64_t total = 0;
+  std::vector<uint64_t> offsets;
+  for (const auto& p : parts) {
+    offsets.push_back(total);
+    total += (p.second + 255) / 256 * 256;
+  }
+  auto arena = std::make_unique<DeviceBuffer>();
+  RETURN_IF_ERROR(arena->Allocate(total, absl::StrCat("activations of ", T, " rows")));
+  CUDA_RETURN_IF_ERROR(cudaMemset(arena->get(), 0, total));
+  for (size_t i = 0; i < parts.size(); ++i) {
+    *parts[i].first = static_cast<uint8_t*>(arena->get()) + offsets[i];
+  }
+  owned.push_back(std::move(arena));
+
+  const uint64_t host_ints = 3 * T + max_chunks + static_cast<uint64_t>(max_chunks) * max_blocks +
+                             M64 * routes + std::max(1, max_calls);
+  CUDA_RETURN_IF_ERROR(cudaHostAlloc(&host_block, host_ints * 4, cudaHostAllocDefault));
+  int32_t* p = static_cast<int32_t*>(host_block);
+  h_tokens = p;
+  h_positions = h_tokens + T;
+  h_seq_ids = h_positions + T;
+  h_seq_lens = h_seq_ids + T;
+  h_tables = h_seq_lens + max_chunks;
+  h_forced = h_tables + static_cast<int64_t>(max_chunks) * max_blocks;
+  h_counts = h_forced + M64 * routes;
+  CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  return absl::OkStatus();
+}
+
+absl::Status GpuModel::Impl::MoeBlock(const GpuLayer& lw, int rows, int* calls, int64_t* routes) {
+  const ModelConfig& c = w->config;
+  const int H = c.hidden_size, E = c.num_experts, K = c.num_experts_per_tok;
+  CUstream_st* s = stream();
+  RETURN_IF_ERROR(Gemm(lw.router, xb, rows, router_logits, false));
+  const int32_t* ids = route_ids;
+  if (routing != nullptr) {
+    ids = d_forced + static_cast<int64_t>(lw.moe_index) * rows * K;
+    RETURN_IF_ERROR(LaunchForcedRouteWeights(router_logits, rows, E, ids, K, c.norm_topk_prob,
+                                             route_w, s));
+    const int32_t* hf = h_forced + static_cast<int64_t>(lw.moe_index) * rows * K;
+    for (int64_t i = 0; i < static_cast<int64_t>(rows) * K; ++i) *routes += hf[i] >= 0;
+  } else {
+    RETURN_IF_ERROR(
+        LaunchRouterTopK(router_logits, rows, E, K, c.norm_topk_prob, route_ids, route_w, s));
+    *routes += static_cast<int64_t>(rows) * K;
+  }
+  const bool shared = !lw.shared_gate_up.empty();
+  auto shared_expert = [&](CUstream_st*) -> absl::Status {
+    const int Is = lw.shared_gate_up.n / 2;
+    RETURN_IF_ERROR(Gemm(lw.shared_gate_up, xb, rows, mlp, false));
+    RETURN_IF_ERROR(LaunchSiluMul(mlp, rows, Is, nullptr, actb, s));
+    RETURN_IF_ERROR(Gemm(lw.shared_down, actb, rows, shared_out, false));
+    return Gemm(lw.shared_gate, xb, rows, gate_logit, false);
+  };
+  const RouteGrouping grouping =
+      opt.deterministic ? RouteGrouping::kPerRoute : RouteGrouping::kAuto;
+  for (int r0 = 0; r0 < rows; r0 += rows_per_call) {
+    const int n = std::min(rows_per_call, rows - r0);
+    if (*calls >= max_calls) return absl::InternalError("more ensure calls than planned");
+    int32_t* count = plan_counts + (*calls)++;
+    const int64_t at = static_cast<int64_t>(r0) * K;
+    // The single writer of the slot map and the miss plan, on the compute stream.
+    RETURN_IF_ERROR(moe_cache::LaunchEnsureExperts(cache->view(), lw.moe_index, ids + at, n * K,
+                                                   slot_ids + at, count, plan_entries + at, s));
+    auto copy = [&](CUstream_st* cs) {
+      return moe_cache::LaunchCopyMissing(desc, count, plan_entries + at, gather, cs);
+    };
+    if (shared && r0 == 0) {
+      RETURN_IF_ERROR(moe_overlap::RunForkJoin(*pair, copy, shared_expert));
+    } else {
+      RETURN_IF_ERROR(copy(s));
+    }
+    RETURN_IF_ERROR(LaunchRoutedExperts(banks, *expert_ws, n, xn + static_cast<int64_t>(r0) * H,
+                                        slot_ids + at, route_w + at,
+                                        h + static_cast<int64_t>(r0) * H, s, grouping));
+  }
+  if (shared) RETURN_IF_ERROR(LaunchSharedExpertCombine(h, shared_out, gate_logit, rows, H, s));
+  return absl::OkStatus();
+}
+
+absl::Status GpuModel::Impl::RunPass(absl::Span<const ModelChunk> chunks,
+                                     const std::vector<Piece>& pieces, int row0, int total_rows,
+                                     std::vector<float>* out) {
+  const ModelConfig& c = w->config;
+  const int H = c.hidden_size, nh = c.num_attention_heads, nkv = c.num_key_value_heads,
+            hd = c.head_dim, K = c.num_experts_per_tok, V = c.vocab_size, M = c.NumMoeLayers();
+  const int64_t Q = static_cast<int64_t>(nh) * hd;
+  CUstream_st* s = stream();
+  // Inputs of the pass, staged in pinned memory (the previous pass has finished).
+  int rows = 0;
+  bool all_decode = true;
+  std::vector<int> sel_rows;
+  for (size_t p = 0; p < pieces.size(); ++p) {
+    const Piece& pc = pieces[p];
+    const ModelChunk& ch = chunks[pc.chunk];
+    for (int i = 0; i < pc.count; ++i) {
+      h_tokens[rows + i] = ch.tokens[pc.offset + i];
+      h_positions[rows + i] = ch.start + pc.offset + i;
+      h_seq_ids[rows + i] = static_cast<int32_t>(p);
+    }
+    h_seq_lens[p] = ch.start + pc.offset + pc.count;
+    int32_t* table = h_tables + static_cast<int64_t>(p) * max_blocks;
+    const int nb = std::min<int>(max_blocks, ch.block_table->size());
+    std::copy_n(ch.block_table->data(), nb, table);
+    std::fill(table + nb, table + max_blocks, 0);
+    all_decode &= pc.count == 1;
+    int first = pc.count;
+    if (ch.logits == ChunkLogits::kAll) first = 0;
+    if (ch.logits == ChunkLogits::kLast && pc.last) first = pc.count - 1;
+    for (int i = first; i < pc.count; ++i) sel_rows.push_back(rows + i);
+    rows += pc.count;
+  }
+  const int P = static_cast<int>(pieces.size());
+  if (routing != nullptr) {
+    for (int m = 0; m < M; ++m) {
+      std::copy_n(forced.data() + (static_cast<int64_t>(m) * total_rows + row0) * K,
+                  static_cast<int64_t>(rows) * K, h_forced + static_cast<int64_t>(m) * rows * K);
+    }
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_forced, h_forced,
+                                         static_cast<size_t>(M) * rows * K * 4,
+                                         cudaMemcpyHostToDevice, s));
+  }
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(d_tokens, h_tokens, rows * 4, cudaMemcpyHostToDevice, s));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(d_positions, h_positions, rows * 4, cudaMemcpyHostToDevice, s));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_seq_ids, h_seq_ids, rows * 4, cudaMemcpyHostToDevice, s));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_seq_lens, h_seq_lens, P * 4, cudaMemcpyHostToDevice, s));
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_tables, h_tables,
+                                       static_cast<size_t>(P) * max_blocks * 4,
+                                       cudaMemcpyHostToDevice, s));
+
+  RETURN_IF_ERROR(LaunchEmbeddingGather(embed.w, V, H, d_tokens, rows, h, s));
+  int calls = 0;
+  int64_t routes = 0;
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    const GpuLayer& lw = layers[l];
+    const PagedKvLayer& kvl = kv->layer(l);
+    RETURN_IF_ERROR(LaunchRmsNorm(h, rows, H, lw.input_norm, c.rms_norm_eps, nullptr, xb, s));
+    RETURN_IF_ERROR(Gemm(lw.q, xb, rows, q, false, lw.q_bias));
+    RETURN_IF_ERROR(Gemm(lw.k, xb, rows, k, false, lw.k_bias));
+    RETURN_IF_ERROR(Gemm(lw.v, xb, rows, v, false, lw.v_bias));
+    QkNormRopeArgs qa;
+    qa.q = q;
+    qa.k = k;
+    qa.num_tokens = rows;
+    qa.num_q_heads = nh;
+    qa.num_kv_heads = nkv;
+    qa.head_dim = hd;
+    qa.q_norm = lw.q_norm;
+    qa.k_norm = lw.k_norm;
+    qa.eps = c.rms_norm_eps;
+    qa.positions = d_positions;
+    qa.cos = rope->cos();
+    qa.sin = rope->sin();
+    qa.max_positions = rope->max_positions();
+    RETURN_IF_ERROR(LaunchQkNormRope(qa, s));
+    AppendKvArgs ka;
+    ka.k = k;
+    ka.v = v;
+    ka.num_tokens = rows;
+    ka.positions = d_positions;
+    ka.seq_ids = d_seq_ids;
+    ka.block_tables = d_tables;
+    ka.max_blocks_per_seq = max_blocks;
+    RETURN_IF_ERROR(LaunchAppendKv(kvl, ka, s));
+    if (all_decode && !opt.deterministic) {
+      DecodeArgs da;
+      da.q = q;
+      da.out = attn;
+      da.seq_lens = d_seq_lens;
+      da.block_tables = d_tables;
+      da.max_blocks_per_seq = max_blocks;
+      da.batch = P;
+      da.num_q_heads = nh;
+      RETURN_IF_ERROR(LaunchDecodeAttention(kvl, da, *decode_ws, s));
+    } else {
+      int r = 0;
+      for (int p = 0; p < P; ++p) {
+        const Piece& pc = pieces[p];
+        if (pc.count == 1) {
+          DecodeArgs da;
+          da.q = q + r * Q;
+          da.out = attn + r * Q;
+          da.seq_lens = d_seq_lens + p;
+          da.block_tables = d_tables + static_cast<int64_t>(p) * max_blocks;
+          da.max_blocks_per_seq = max_blocks;
+          da.batch = 1;
+          da.num_q_heads = nh;
+          RETURN_IF_ERROR(LaunchDecodeAttention(kvl, da, *decode_ws, s));
+        } else {
+          PrefillArgs pa;
+          pa.q = q + r * Q;
+          pa.out = attn + r * Q;
+          pa.num_tokens = pc.count;
+          pa.start = chunks[pc.chunk].start + pc.offset;
+          pa.block_table = d_tables + static_cast<int64_t>(p) * max_blocks;
+          pa.num_q_heads = nh;
+          RETURN_IF_ERROR(LaunchPrefillAttention(kvl, pa, s));
+        }
+        r += pc.count;
+      }
+    }
+    RETURN_IF_ERROR(LaunchF32ToBf16(attn, rows * Q, attnb, s));
+    RETURN_IF_ERROR(Gemm(lw.o, attnb, rows, h, /*accumulate=*/true));
+    RETURN_IF_ERROR(
+        LaunchRmsNorm(h, rows, H, lw.post_norm, c.rms_norm_eps, xn, xb, s));
+    if (lw.is_moe) {
+      RETURN_IF_ERROR(MoeBlock(lw, rows, &calls, &routes));
+    } else {
+      const int I = lw.mlp_gate_up.n / 2;
+      RETURN_IF_ERROR(Gemm(lw.mlp_gate_up, xb, rows, mlp, false));
+      RETURN_IF_ERROR(LaunchSiluMul(mlp, rows, I, nullptr, actb, s));
+      RETURN_IF_ERROR(Gemm(lw.mlp_down, actb, rows, h, /*accumulate=*/true));
+    }
+  }
+  // Final norm and LM head for the wanted rows, logit_rows at a time.
+  for (size_t g0 = 0; g0 < sel_rows.size(); g0 += logit_rows) {
+    const int n = static_cast<int>(std::min<size_t>(logit_rows, sel_rows.size() - g0));
+    for (int i = 0; i < n;) {
+      int j = i + 1;
+      while (j < n && sel_rows[g0 + j] == sel_rows[g0 + j - 1] + 1) ++j;
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sel + static_cast<int64_t>(i) * H,
+                                           h + static_cast<int64_t>(sel_rows[g0 + i]) * H,
+                                           static_cast<size_t>(j - i) * H * 4,
+                                           cudaMemcpyDeviceToDevice, s));
+      i = j;
+    }
+    RETURN_IF_ERROR(LaunchRmsNorm(sel, n, H, final_norm, c.rms_norm_eps, nullptr, selb, s));
+    RETURN_IF_ERROR(Gemm(lm_head, selb, n, logits, false));
+    const size_t base = out->size();
+    out->resize(base + static_cast<size_t>(n) * V);
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out->data() + base, logits,
+                                         static_cast<size_t>(n) * V * 4, cudaMemcpyDeviceToHost,
+                                         s));
+  }
+  if (calls > 0) {
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(h_counts, plan_counts, calls * 4, cudaMemcpyDeviceToHost, s));
+  }
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  stats.rows += rows;
+  stats.routes += routes;
+  stats.ensure_calls += calls;
+  for (int i = 0; i < calls; ++i) {
+    stats.misses += h_counts[i];
+    stats.bytes_fetched += static_cast<uint64_t>(h_counts[i]) * store->bytes_per_expert();
+  }
+  return absl::OkStatus();
+}
+
+GpuModel::GpuModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+GpuModel::~GpuModel() = default;
+
+absl::StatusOr<std::unique_ptr<GpuModel>> GpuModel::Create(const ModelWeights* weights,
+                                                           const moe_cache::ExpertStore* store,
+                                                           const GpuModelOptions& options) {
+  if (weights == nullptr) return absl::InvalidArgumentError("no weights");
+  auto impl = std::make_unique<Impl>();
+  RETURN_IF_ERROR(impl->Init(weights, store, options));
+  return std::unique_ptr<GpuModel>(new GpuModel(std::move(impl)));
+}
+
+absl::Status GpuModel::Forward(absl::Span<const ModelChunk> chunks, std::vector<float>* logits) {
+  Impl& m = *impl_;
+  const ModelConfig& c = m.w->config;
+  const int V = c.vocab_size, K = c.num_experts_per_tok, M = c.NumMoeLayers(),
+            bs = m.opt.kv_block_size;
+  int rows = 0;
+  for (const ModelChunk& ch : chunks) {
+    if (ch.block_table == nullptr) return absl::InvalidArgumentError("chunk without blocks");
+    const int end = ch.start + static_cast<int>(ch.tokens.size());
+    if (ch.start < 0 || end > m.max_context) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("positions [", ch.start, ", ", end, ") outside [0, ", m.max_context, ")"));
+    }
+    const int64_t need = (static_cast<int64_t>(end) + bs - 1) / bs;
+    if (static_cast<int64_t>(ch.block_table->size()) < need) {
+      return absl::InvalidArgumentError("block table does not cover the chunk");
+    }
+    for (int64_t b = 0; b < need; ++b) {
+      const int32_t id = (*ch.block_table)[b];
+      if (id < 0 || id >= m.kv_blocks) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("KV block id ", id, " outside [0, ", m.kv_blocks, ")"));
+      }
+    }
+    for (int32_t t : ch.tokens) {
+      if (t < 0 || t >= V) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("token id ", t, " outside the vocabulary [0, ", V, ")"));
+      }
+    }
+    rows += static_cast<int>(ch.tokens.size());
+  }
+  if (rows == 0) return absl::OkStatus();
+  if (m.routing != nullptr) {
+    if (m.routing->moe_layers() != M || m.routing->k() != K) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "routing override of ", m.routing->moe_layers(), " MoE layers x top-",
+          m.routing->k(), " for a model of ", M, " x top-", K));
+    }
+    m.forced.resize(static_cast<size_t>(M) * rows * K);
+    RETURN_IF_ERROR(m.routing->Next(rows, absl::MakeSpan(m.forced)));
+    for (int32_t id : m.forced) {
+      if (id >= c.num_experts) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("forced expert id ", id, " outside [0, ", c.num_experts, ")"));
+      }
+    }
+  }
+  // Passes of at most step_rows rows and max_chunks chunks, in chunk order.
+  std::vector<Impl::Piece> pass;
+  int pass_rows = 0, row0 = 0;
+  for (size_t ci = 0; ci < chunks.size(); ++ci) {
+    const int n = static_cast<int>(chunks[ci].tokens.size());
+    for (int off = 0; off < n;) {
+      const int count = std::min(n - off, m.step_rows);
+      if (pass_rows + count > m.step_rows || static_cast<int>(pass.size()) >= m.max_chunks) {
+        RETURN_IF_ERROR(m.RunPass(chunks, pass, row0, rows, logits));
+        row0 += pass_rows;
+        pass.clear();
+        pass_rows = 0;
+      }
+      pass.push_back({static_cast<int>(ci), off, count, off + count == n});
+      pass_rows += count;
+      off += count;
+    }
+  }
+  if (!pass.empty()) RETURN_IF_ERROR(m.RunPass(chunks, pass, row0, rows, logits));
+  return absl::OkStatus();
+}
+
+const ModelConfig& GpuModel::config() const { return impl_->w->config; }
+int GpuModel::max_positions() const { return impl_->max_context; }
+int GpuModel::kv_blocks() const { return impl_->kv_blocks; }
+int GpuModel::kv_block_size() const { return impl_->opt.kv_block_size; }
+uint64_t GpuModel::memory_bytes() const {
+  const Impl& m = *impl_;
+  return m.dense_bytes + 2 * m.kv->layer_bytes() * m.kv->num_layers() +
+         (m.pool != nullptr ? m.pool->total_bytes() : 0);
+}
+void GpuModel::set_routing_override(RoutingOverride* routing) { impl_->routing = routing; }
+const GpuMemoryPlan& GpuModel::plan() const { return impl_->plan; }
+const GpuCacheStats& GpuModel::stats() const { return impl_->stats; }
+void GpuModel::ResetStats() { impl_->stats = {}; }
+int GpuModel::total_slots() const { return impl_->total_slots; }
+
+#else  // !MOE_HAVE_CUDA
+
+struct GpuModel::Impl {
+  ModelConfig config;
+  GpuMemoryPlan plan;
+  GpuCacheStats stats;
+};
+
+GpuModel::GpuModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+GpuModel::~GpuModel() = default;
+
+absl::StatusOr<std::unique_ptr<GpuModel>> GpuModel::Create(const ModelWeights*,
+                                                           const moe_cache::ExpertStore*,
+                                                           const GpuModelOptions&) {
+  return absl::UnavailableError("GPU model: built without CUDA");
+}
+absl::Status GpuModel::Forward(absl::Span<const ModelChunk>, std::vector<float>*) {
+  return absl::UnavailableError("GPU model: built without CUDA");
+}
+const ModelConfig& GpuModel::config() const { return impl_->config; }
+int GpuModel::max_positions() const { return 0; }
+int GpuModel::kv_blocks() const { return 0; }
+int GpuModel::kv_block_size() const { return 0; }
+uint64_t GpuModel::memory_bytes() const { return 0; }
+void GpuModel::set_routing_override(RoutingOverride*) {}
+const GpuMemoryPlan& GpuModel::plan() const { return impl_->plan; }
+const GpuCacheStats& GpuModel::stats() const { return impl_->stats; }
+void GpuModel::ResetStats() {}
+int GpuModel::total_slots() const { return 0; }
+
+#endif  // MOE_HAVE_CUDA
+
+}  // namespace moe::engine::gpu

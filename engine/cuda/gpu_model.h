@@ -1,0 +1,125 @@
+// GpuModel: the forward pass of a qwen3_moe / qwen2_moe decoder on one GPU, with the same contract
+// as the CPU's engine::Model (engine/model.h) behind the ForwardModel interface: chunks of
+// consecutive tokens of different sequences (prefill chunks and decode tokens mixed), their keys
+// and values into a paged bf16 KV cache in device memory, logits of the rows that want them
+// copied back to the host.
+//
+// Per layer, on the compute stream: RMSNorm, the q/k/v projections (cuBLAS, bf16 weights and
+// activations, f32 out, qwen2_moe's biases), Qwen3's q/k RMSNorm and RoPE, the KV append, decode
+// attention (one token per sequence, split over the sequence) or causal prefill attention per
+// chunk, the o projection into the residual; then the MoE block: router GEMM, softmax top-k in
+// f32 (or the routing override's forced ids, weighted by the router's probabilities),
+// moe_cache's ensure_experts kernel (the single writer of the slot map and the miss plan), the
+// miss copy from the pinned host ExpertStore into the GPU SlotPool by the gather kernel, and the
+// routed experts computed from the slots (engine/cuda/experts). qwen2_moe's sigmoid-gated shared
+// expert runs on the compute stream beside the miss copy on the side stream (moe_overlap's
+// fork/join); without a shared expert the copy runs on the compute stream. Dense (non-MoE)
+// layers run a SwiGLU MLP. The final RMSNorm and LM head run only on the rows that want logits.
+//
+// Memory: PlanGpuMemory (engine/gpu_memory_plan.h) on the device's free memory decides the KV
+// blocks and the expert slots; every device buffer is allocated in Create, and an allocation
+// that fails there is a ResourceExhausted naming the part. Forward allocates nothing on the
+// device; it splits a batch into passes of at most max_step_tokens rows and max_batch chunks
+// (a longer chunk is split into consecutive pieces), and splits one MoE layer's rows further
+// when the slot pool cannot hold the experts of all of them at once, so results never depend on
+// the cache's size or state: the same kernels run whatever the cache holds.
+//
+// deterministic: every row's results are independent of the rest of the batch (per-row GEMMs,
+// attention per sequence, routed experts per route); slower.
+//
+// Ownership: borrows the weights and the ExpertStore (both must outlive it); owns every device
+// allocation, the streams, cuBLAS handle and cache state. Not thread-safe: one caller at a time.
+// Plain C++ header: no CUDA includes. Without CUDA or a device, Create returns Unavailable.
+#ifndef MOE_ENGINE_CUDA_GPU_MODEL_H_
+#define MOE_ENGINE_CUDA_GPU_MODEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "cpu_moe/cpu_moe.h"
+#include "engine/forward_model.h"
+#include "engine/gpu_memory_plan.h"
+#include "engine/model_weights.h"
+#include "engine/routing_override.h"
+#include "moe_cache/gpu/expert_store.h"
+#include "moe_cache/policy_core.h"
+
+namespace moe::engine::gpu {
+
+struct GpuModelOptions {
+  int max_batch = 8;         // chunks (sequences) of one pass
+  int max_step_tokens = 0;   // rows of one pass; 0: max(max_batch, 256)
+  int max_context = 0;       // positions per sequence; 0: min(max_position_embeddings, 4096)
+  int kv_block_size = 16;    // a power of two, 16 to 1024
+  int kv_blocks = 0;         // 0: the memory plan's (max_batch sequences of max_context)
+  double expert_budget_gib = 0;  // GPU expert slots; 0: automatic (what the plan leaves)
+  int32_t cache_policy = moe_cache::kPolicyScored;
+  bool deterministic = false;
+  // The miss copy on the side stream beside the shared expert (moe_overlap); the environment
+  // switch MOE_DECODE_SHARED_OVERLAP=0|1 overrides it.
+  bool overlap = true;
+  // Print the memory plan's Summary to stderr in Create.
+  bool print_plan = true;
+};
+
+// Counters since Create (or ResetStats), read back after each Forward.
+struct GpuCacheStats {
+  int64_t rows = 0;       // token rows forwarded
+  int64_t routes = 0;     // routed (layer, token, expert) triples, padding excluded
+  int64_t misses = 0;     // experts copied from host memory into a slot
+  int64_t ensure_calls = 0;
+  uint64_t bytes_fetched = 0;  // misses x the store's payload bytes per expert
+};
+
+class GpuModel final : public ForwardModel {
+ public:
+  // `weights` holds dense weights (bf16 or f32: uploaded as bf16) and the config; `store` every
+  // routed expert (bf16 or q4_0, the loader's layout), pinned and mapped. InvalidArgument for
+  // shapes or formats the kernels do not serve; FailedPrecondition for a store that is not
+  // pinned; ResourceExhausted (naming the part) when the plan or an allocation does not fit;
+  // Unavailable without CUDA or a device.
+  static absl::StatusOr<std::unique_ptr<GpuModel>> Create(const ModelWeights* weights,
+                                                          const moe_cache::ExpertStore* store,
+                                                          const GpuModelOptions& options);
+  ~GpuModel() override;
+  GpuModel(const GpuModel&) = delete;
+  GpuModel& operator=(const GpuModel&) = delete;
+
+  absl::Status Forward(absl::Span<const ModelChunk> chunks, std::vector<float>* logits) override;
+  const ModelConfig& config() const override;
+  int max_positions() const override;
+  int kv_blocks() const override;
+  int kv_block_size() const override;
+  uint64_t memory_bytes() const override;
+  std::string backend() const override { return "cuda"; }
+  void set_routing_override(RoutingOverride* routing) override;
+
+  const GpuMemoryPlan& plan() const;
+  const GpuCacheStats& stats() const;
+  void ResetStats();
+  // Slots in the pool (all MoE layers share it).
+  int total_slots() const;
+
+  struct Impl;
+
+ private:
+  explicit GpuModel(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// An ExpertStore in the loader's layout (ExpertBankLayout) filled from cpu_moe banks of one
+// format (bf16 row-major or q4_0 panels, experts contiguous), for models made in memory (tests,
+// benchmarks). Store layer l, expert e is bank l % banks.size()'s expert e % its num_experts, so
+// a few distinct experts can fill a full-size store; num_layers / num_experts 0: the banks'.
+// Pinned and mapped where a device is visible.
+absl::StatusOr<std::unique_ptr<moe_cache::ExpertStore>> ExpertStoreFromBanks(
+    absl::Span<const cpu_moe::ExpertBank> banks, int num_layers = 0, int num_experts = 0);
+
+}  // namespace moe::engine::gpu
+
+#endif  // MOE_ENGINE_CUDA_GPU_MODEL_H_
