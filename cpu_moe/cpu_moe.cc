@@ -1,5 +1,6 @@
 // cpu_moe: validation, routing plan and the one dynamic dispatch per Forward call. The kernels
-// are in cpu_moe-inl.h, compiled once per Highway target by foreach_target.h.
+// are in internal/*-inl.h (forward-inl.h and the files it includes), compiled once per Highway
+// target by foreach_target.h.
 #include "cpu_moe/cpu_moe.h"
 
 #include <algorithm>
@@ -26,7 +27,7 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_moe/cpu_moe.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
-#include "cpu_moe/cpu_moe-inl.h"
+#include "cpu_moe/internal/forward-inl.h"
 #include "hwy/highway.h"
 
 #if HWY_ONCE
@@ -418,19 +419,20 @@ void PackMatrixPanels(WeightFormat f, const void* weights, const void* scales, s
 }
 
 absl::Status ValidateTuning(const internal::Tuning& o) {
-  RETURN_IF_ERROR(ValidatePrefetch(o.prefetch_bytes, internal::Tuning::kMaxPrefetchBytes,
+  using internal::Tuning;
+  RETURN_IF_ERROR(ValidatePrefetch(o.prefetch_bytes, Tuning::kMaxPrefetchBytes,
                                    "prefetch_bytes (MOE_CPU_PREFETCH_BYTES)"));
-  RETURN_IF_ERROR(ValidatePrefetch(o.prefetch_l2_bytes, internal::Tuning::kMaxPrefetchL2Bytes,
+  RETURN_IF_ERROR(ValidatePrefetch(o.prefetch_l2_bytes, Tuning::kMaxPrefetchL2Bytes,
                                    "prefetch_l2_bytes (MOE_CPU_PREFETCH_L2_BYTES)"));
-  if (o.pass1_rows < 1 || o.pass1_rows > internal::Tuning::kMaxRowsPerItem) {
+  if (o.pass1_rows < 1 || o.pass1_rows > Tuning::kMaxRowsPerItem) {
     return absl::InvalidArgumentError(absl::StrCat("pass1_rows (MOE_CPU_PASS1_ROWS) = ",
                                                    o.pass1_rows, " must be in [1, ",
-                                                   internal::Tuning::kMaxRowsPerItem, "]"));
+                                                   Tuning::kMaxRowsPerItem, "]"));
   }
-  if (o.pass2_rows < 2 || o.pass2_rows > internal::Tuning::kMaxRowsPerItem || o.pass2_rows % 2 != 0) {
+  if (o.pass2_rows < 2 || o.pass2_rows > Tuning::kMaxRowsPerItem || o.pass2_rows % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat("pass2_rows (MOE_CPU_PASS2_ROWS) = ",
                                                    o.pass2_rows, " must be even in [2, ",
-                                                   internal::Tuning::kMaxRowsPerItem, "]"));
+                                                   Tuning::kMaxRowsPerItem, "]"));
   }
   if (o.amx_min_routes < 0) {
     return absl::InvalidArgumentError(absl::StrCat("amx_min_routes (MOE_CPU_AMX_MIN_ROUTES) = ",
@@ -438,7 +440,7 @@ absl::Status ValidateTuning(const internal::Tuning& o) {
                                                    " must be >= 0 (0: no expert through AMX) "
                                                    "or -1 (auto)"));
   }
-  if (o.row_streams != internal::Tuning::kAuto && o.row_streams != 2 && o.row_streams != 4) {
+  if (o.row_streams != Tuning::kAuto && o.row_streams != 2 && o.row_streams != 4) {
     return absl::InvalidArgumentError(absl::StrCat("row_streams (MOE_CPU_ROW_STREAMS) = ",
                                                    o.row_streams, " must be 2, 4 or -1 (auto)"));
   }

@@ -123,8 +123,8 @@ bool Bf16DotRunsAt(const std::string& target) {
   return target == "AVX3_DL" && __builtin_cpu_supports("avx512bf16");
 }
 
-// Whether AMX can run there (internal::Tuning::amx; Linux grants the tile state on every kernel since
-// 5.16, which Forward requests).
+// Whether AMX can run there (internal::Tuning::amx; Linux grants the tile state on every kernel
+// since 5.16, which Forward requests).
 bool AmxRunsAt(const std::string& target) {
   return Bf16DotRunsAt(target) && __builtin_cpu_supports("amx-tile") &&
          __builtin_cpu_supports("amx-bf16");

@@ -1,6 +1,6 @@
 // onednn_experts: the prefill path of cpu_moe for bf16 banks. Experts with many routed tokens are
 // computed as three small GEMMs each through oneDNN matmul (brgemm with AMX tiles where the CPU
-// has them, AVX-512 BF16 otherwise), instead of the GEMV kernels of cpu_moe-inl.h:
+// has them, AVX-512 BF16 otherwise), instead of the GEMV kernels of internal/*-inl.h:
 //
 //   per expert e with m routed tokens:
 //     xg = bf16(x[tokens])                  [m, H]

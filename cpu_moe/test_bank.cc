@@ -195,8 +195,8 @@ double F16Ulp(double v) {
 // whose scalar fp16 instructions round exactly as one lane of the kernels' vectors does.
 #define MOE_TEST_FP16 __attribute__((target("avx512fp16")))
 
-// Fp8F16Prepare (cpu_moe-inl.h) in scalar code: xp[c] = fp16(float(x[c] * f_b)), f_b the block
-// scale times 2^(10 - e), with the same float operations; returns e.
+// Fp8F16Prepare (internal/fp8_fp16-inl.h) in scalar code: xp[c] = fp16(float(x[c] * f_b)), f_b
+// the block scale times 2^(10 - e), with the same float operations; returns e.
 MOE_TEST_FP16 int EmulateF16Prepare(const float* x, const float* srow, size_t k,
                                     std::vector<double>* xp, std::vector<double>* f) {
   constexpr size_t kB = common::kFp8BlockSize;

@@ -1,7 +1,7 @@
 // Would an arithmetic e4m3 -> bf16 decode beat the table decode of the fp8 kernels?
 //
-// The library's fp8 kernels (cpu_moe-inl.h, Fp8Decoder::DecodeBf16) turn 64 codes into two
-// vectors of 32 bf16 through two 128-entry byte tables (two vpermi2b), a sign OR and two byte
+// The library's fp8 kernels (internal/fp8_rows-inl.h, Fp8Decoder::DecodeBf16) turn 64 codes into
+// two vectors of 32 bf16 through two 128-entry byte tables (two vpermi2b), a sign OR and two byte
 // interleaves, and then spend 2 vdpbf16ps per route on them. With the weights in cache one core
 // decodes and dots at 11-15 GB/s on the GPU machine's host: at one route per expert that is
 // about its DRAM share, so fp8 steps are decode-bound there.
