@@ -21,6 +21,15 @@
 //                [--threads 0] [--prefill_tokens 512] [--decode_steps 16] [--context 128]
 //                [--routing_trace FILE.npy] [--json FILE]
 // Dashed spellings (--routing-trace) are accepted too.
+//
+// --backend cuda runs the GPU model (engine/cuda/gpu_model.h) instead, once per expert budget of
+// --expert_fractions (the share of each layer's experts that has a GPU slot), with the experts
+// in pinned host memory (a few distinct random experts copied over the full store): prefill
+// tok/s, decode tok/s per batch size, misses and GB fetched per token, and beside each the
+// offload-only floor of the same run: every miss over the host link at the host-to-device
+// bandwidth measured in the same process, plus the bytes read from GPU memory (dense weights,
+// the distinct experts of each layer and step, the KV cache) at the device copy bandwidth
+// measured likewise.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -37,6 +46,9 @@
 #include "common/membw.h"
 #include "common/thread_pool.h"
 #include "engine/cpu_expert_backend.h"
+#include "engine/cuda/gpu_model.h"
+#include "engine/cuda/link_probe.h"
+#include "engine/forward_model.h"
 #include "engine/kv_cache.h"
 #include "engine/model.h"
 #include "engine/random_model.h"
@@ -58,6 +70,9 @@ ABSL_FLAG(int, decode_steps, 16, "timed decode steps per batch size");
 ABSL_FLAG(int, context, 128, "prompt tokens of each decoding sequence (not timed)");
 ABSL_FLAG(int, membw_mib, 1024, "buffer of the DRAM bandwidth probe");
 ABSL_FLAG(std::string, json, "", "also write the results here");
+ABSL_FLAG(std::string, backend, "cpu", "cpu, or cuda (the GPU model with the expert cache)");
+ABSL_FLAG(std::string, expert_fractions, "0.1,0.25,0.5",
+          "cuda: shares of each layer's experts that get a GPU slot, one run each");
 
 namespace moe::engine {
 namespace {
@@ -127,6 +142,216 @@ void Print(const Case& c) {
   std::fflush(stdout);
 }
 
+// The CUDA backend's cases (see the file comment).
+int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<int>& batches,
+            common::ThreadPool& pool, nlohmann::json& out) {
+  auto bw = gpu::MeasureLinkBandwidth();
+  if (!bw.ok()) {
+    std::fprintf(stderr, "%s\n", bw.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("host -> device %.1f GB/s, device copy %.0f GB/s (measured in this run)\n",
+              bw->host_to_device_gbps, bw->device_gbps);
+  out["host_to_device_gbps"] = bw->host_to_device_gbps;
+  out["device_copy_gbps"] = bw->device_gbps;
+  std::vector<double> fractions;
+  for (absl::string_view f : absl::StrSplit(absl::GetFlag(FLAGS_expert_fractions), ',')) {
+    double v;
+    if (!absl::SimpleAtod(f, &v) || v <= 0 || v > 1) {
+      std::fprintf(stderr, "bad --expert_fractions entry '%s'\n", std::string(f).c_str());
+      return 2;
+    }
+    fractions.push_back(v);
+  }
+  const int P = absl::GetFlag(FLAGS_prefill_tokens), S = absl::GetFlag(FLAGS_decode_steps),
+            C = absl::GetFlag(FLAGS_context);
+  const int max_batch = *std::max_element(batches.begin(), batches.end());
+  const int M = cfg.NumMoeLayers(), E = cfg.num_experts, K = cfg.num_experts_per_tok;
+  const int V = cfg.vocab_size, bs = 16;
+  for (absl::string_view fname : absl::StrSplit(absl::GetFlag(FLAGS_formats), ',')) {
+    auto format = common::ParseWeightFormat(std::string_view(fname.data(), fname.size()));
+    if (!format.ok()) {
+      std::fprintf(stderr, "%s\n", format.status().ToString().c_str());
+      return 2;
+    }
+    const auto t0 = Clock::now();
+    // Dense weights from a model whose experts are tiny (they are not used); the routed experts
+    // from a one-layer model of the real expert shape, a few distinct ones copied over the
+    // whole store.
+    ModelConfig dense_cfg = cfg;
+    dense_cfg.moe_intermediate_size = 32;
+    RandomModelOptions ro;
+    ro.dense_dtype = DType::kBf16;
+    ro.expert_format = *format;
+    ro.fast_fill = true;
+    ro.pool = &pool;
+    auto dense = MakeRandomModel(dense_cfg, ro);
+    ModelConfig expert_cfg = cfg;
+    expert_cfg.num_hidden_layers = 1;
+    expert_cfg.vocab_size = 64;
+    expert_cfg.num_experts = std::max(16, K);
+    if (!dense.ok()) {
+      std::fprintf(stderr, "%s\n", dense.status().ToString().c_str());
+      return 1;
+    }
+    auto experts = MakeRandomModel(expert_cfg, ro);
+    if (!experts.ok()) {
+      std::fprintf(stderr, "%s\n", experts.status().ToString().c_str());
+      return 1;
+    }
+    auto store = gpu::ExpertStoreFromBanks(experts->banks, M, E);
+    if (!store.ok()) {
+      std::fprintf(stderr, "%s\n", store.status().ToString().c_str());
+      return 1;
+    }
+    ModelWeights& w = *dense->weights;
+    w.config.moe_intermediate_size = cfg.moe_intermediate_size;
+    w.expert_format = *format;
+    const uint64_t expert_bytes = (*store)->bytes_per_expert();
+    const uint64_t slot_bytes = (*store)->layout().padded_bytes_per_expert();
+    std::fprintf(stderr, "%s model made in %.1f s (%.1f GB of experts in %s host memory)\n",
+                 std::string(fname).c_str(),
+                 std::chrono::duration<double>(Clock::now() - t0).count(),
+                 (*store)->total_bytes() / 1e9,
+                 (*store)->memory_kind() == moe_cache::HostMemoryKind::kPinnedMapped
+                     ? "pinned"
+                     : "pageable");
+    const uint64_t dense_bytes = DenseBytes(w);
+    const uint64_t kv_token_bytes =
+        2ull * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2;  // bf16
+    auto tokens = [&](int n, int seed) {
+      std::vector<int32_t> t(n);
+      for (int i = 0; i < n; ++i) t[i] = (seed * 7919 + i * 104729) % V;
+      return t;
+    };
+    for (double frac : fractions) {
+      const int slots = std::max(K, static_cast<int>(frac * E + 0.5));
+      gpu::GpuModelOptions go;
+      go.max_batch = max_batch;
+      go.max_step_tokens = std::max(P, max_batch);
+      go.max_context = (std::max(P, C + S) + 1 + bs - 1) / bs * bs;
+      go.kv_block_size = bs;
+      go.expert_budget_gib = static_cast<double>(static_cast<uint64_t>(slots) * M * slot_bytes) /
+                             static_cast<double>(uint64_t{1} << 30);
+      auto model = gpu::GpuModel::Create(&w, store->get(), go);
+      if (!model.ok()) {
+        std::fprintf(stderr, "%s\n", model.status().ToString().c_str());
+        return 1;
+      }
+      gpu::GpuModel& gm = **model;
+      KvBlockAllocator alloc(gm.kv_blocks(), bs);
+      auto report = [&](const char* kind, int B, int steps, int n_tokens, double secs,
+                        double floor_s, const gpu::GpuCacheStats& st) {
+        const double tok_s = n_tokens / secs;
+        const double floor_tok_s = n_tokens / floor_s;
+        std::printf(
+            "%-5s %-7s slots %3d/%d (%2.0f%%)  batch %2d  %9.2f tok/s  floor %9.2f tok/s "
+            "(%.2f of it)  misses/token %6.1f  GB fetched/token %.3f  %.2f ms/step above "
+            "floor\n",
+            std::string(fname).c_str(), kind, slots, E, 100.0 * slots / E, B, tok_s, floor_tok_s,
+            tok_s / floor_tok_s, static_cast<double>(st.misses) / n_tokens,
+            st.bytes_fetched / 1e9 / n_tokens, (secs - floor_s) * 1e3 / steps);
+        std::fflush(stdout);
+        out["cases"].push_back({{"backend", "cuda"},
+                                {"format", std::string(fname)},
+                                {"kind", kind},
+                                {"slots_per_layer", slots},
+                                {"experts_per_layer", E},
+                                {"batch", B},
+                                {"tokens", n_tokens},
+                                {"seconds", secs},
+                                {"tok_s", tok_s},
+                                {"floor_tok_s", floor_tok_s},
+                                {"fraction_of_floor", tok_s / floor_tok_s},
+                                {"ms_per_step_above_floor", (secs - floor_s) * 1e3 / steps},
+                                {"misses_per_token", static_cast<double>(st.misses) / n_tokens},
+                                {"gb_fetched_per_token", st.bytes_fetched / 1e9 / n_tokens},
+                                {"distinct_experts_per_layer_step",
+                                 static_cast<double>(st.distinct_experts) / M}});
+      };
+      // Floor of what the stats say was moved and read.
+      auto floor_seconds = [&](const gpu::GpuCacheStats& st, int steps, double kv_bytes) {
+        return st.bytes_fetched / (bw->host_to_device_gbps * 1e9) +
+               (static_cast<double>(dense_bytes) * steps +
+                static_cast<double>(st.distinct_experts) * expert_bytes + kv_bytes) /
+                   (bw->device_gbps * 1e9);
+      };
+      // Prefill: one sequence of P tokens, run twice, the second timed.
+      if (P > 0) {
+        std::vector<int32_t> table;
+        alloc.Allocate((P + bs - 1) / bs, &table);
+        const std::vector<int32_t> prompt = tokens(P, 1);
+        ModelChunk ch{prompt, 0, &table, ChunkLogits::kLast};
+        std::vector<float> logits;
+        gm.set_routing_override(routing);
+        if (routing) routing->Rewind();
+        if (!gm.Forward({&ch, 1}, &logits).ok()) return 1;
+        if (routing) routing->Rewind();
+        gm.ResetStats();
+        logits.clear();
+        const auto t1 = Clock::now();
+        const absl::Status st = gm.Forward({&ch, 1}, &logits);
+        const double secs = std::chrono::duration<double>(Clock::now() - t1).count();
+        if (!st.ok()) {
+          std::fprintf(stderr, "%s\n", st.ToString().c_str());
+          return 1;
+        }
+        report("prefill", 1, 1, P, secs,
+               floor_seconds(gm.stats(), 1, static_cast<double>(kv_token_bytes) * P / 2.0),
+               gm.stats());
+        alloc.Free(&table);
+        gm.set_routing_override(nullptr);
+      }
+      for (int B : batches) {
+        std::vector<std::vector<int32_t>> tables(B), seqs(B);
+        std::vector<ModelChunk> chunks;
+        for (int b = 0; b < B; ++b) {
+          alloc.Allocate((C + S + 1 + bs - 1) / bs, &tables[b]);
+          seqs[b] = tokens(C, 100 + b);
+          chunks.push_back({seqs[b], 0, &tables[b], ChunkLogits::kLast});
+        }
+        std::vector<float> logits;
+        absl::Status st = gm.Forward(chunks, &logits);
+        if (!st.ok()) {
+          std::fprintf(stderr, "%s\n", st.ToString().c_str());
+          return 1;
+        }
+        std::vector<int32_t> next(B);
+        for (int b = 0; b < B; ++b) next[b] = ArgMax(logits.data() + static_cast<size_t>(b) * V, V);
+        gm.set_routing_override(routing);
+        if (routing) routing->Rewind();
+        gm.ResetStats();
+        double kv_bytes = 0;
+        const auto t1 = Clock::now();
+        for (int step = 0; step < S; ++step) {
+          chunks.clear();
+          for (int b = 0; b < B; ++b) {
+            chunks.push_back(
+                {absl::MakeConstSpan(&next[b], 1), C + step, &tables[b], ChunkLogits::kLast});
+            kv_bytes += static_cast<double>(kv_token_bytes) * (C + step + 1);
+          }
+          logits.clear();
+          st = gm.Forward(chunks, &logits);
+          if (!st.ok()) {
+            std::fprintf(stderr, "%s\n", st.ToString().c_str());
+            return 1;
+          }
+          for (int b = 0; b < B; ++b) {
+            next[b] = ArgMax(logits.data() + static_cast<size_t>(b) * V, V);
+          }
+        }
+        const double secs = std::chrono::duration<double>(Clock::now() - t1).count();
+        report("decode", B, S, B * S, secs, floor_seconds(gm.stats(), S, kv_bytes), gm.stats());
+        gm.set_routing_override(nullptr);
+        for (auto& t : tables) alloc.Free(&t);
+      }
+    }
+  }
+  const std::string path = absl::GetFlag(FLAGS_json);
+  if (!path.empty()) std::ofstream(path) << out.dump(2) << "\n";
+  return 0;
+}
+
 int Run() {
   const int threads =
       absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads) : common::PhysicalCoreCount();
@@ -173,6 +398,13 @@ int Run() {
   out["routing"] = routing ? trace_path : "router";
   if (routing) out["routing_calibration"] = routing->calibration().Summary();
   out["cpu_moe_targets"] = cpu_moe::AvailableTargets();
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  out["backend"] = backend;
+  if (backend == "cuda") return RunCuda(cfg, routing.get(), batches, pool, out);
+  if (backend != "cpu") {
+    std::fprintf(stderr, "--backend must be cpu or cuda, not '%s'\n", backend.c_str());
+    return 2;
+  }
   for (absl::string_view fname : absl::StrSplit(absl::GetFlag(FLAGS_formats), ',')) {
     auto format = common::ParseWeightFormat(std::string_view(fname.data(), fname.size()));
     if (!format.ok()) {

@@ -524,7 +524,7 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
       {reinterpret_cast<void**>(&attnb), T * Q * 2},
       {reinterpret_cast<void**>(&actb), T * std::max<int64_t>(1, mlp_cols) * 2},
       {reinterpret_cast<void**>(&selb), static_cast<uint64_t>(logit_rows) * H * 2},
-      {reinterpret_cast<void**>(&route_ids), routes * 4},
+      {reinterpret_cast<void**>(&route_ids), M64 * routes * 4},
       {reinterpret_cast<void**>(&slot_ids), routes * 4},
       {reinterpret_cast<void**>(&plan_counts), static_cast<uint64_t>(std::max(1, max_calls)) * 4},
       {reinterpret_cast<void**>(&plan_entries), routes * sizeof(moe_cache::MissPlanEntry)},
@@ -563,7 +563,8 @@ absl::Status GpuModel::Impl::MoeBlock(const GpuLayer& lw, int rows, int* calls, 
   const int H = c.hidden_size, E = c.num_experts, K = c.num_experts_per_tok;
   CUstream_st* s = stream();
   RETURN_IF_ERROR(Gemm(lw.router, xb, rows, router_logits, false));
-  const int32_t* ids = route_ids;
+  int32_t* own_ids = route_ids + static_cast<int64_t>(lw.moe_index) * rows * K;
+  const int32_t* ids = own_ids;
   if (routing != nullptr) {
     ids = d_forced + static_cast<int64_t>(lw.moe_index) * rows * K;
     RETURN_IF_ERROR(LaunchForcedRouteWeights(router_logits, rows, E, ids, K, c.norm_topk_prob,
@@ -572,7 +573,7 @@ absl::Status GpuModel::Impl::MoeBlock(const GpuLayer& lw, int rows, int* calls, 
     for (int64_t i = 0; i < static_cast<int64_t>(rows) * K; ++i) *routes += hf[i] >= 0;
   } else {
     RETURN_IF_ERROR(
-        LaunchRouterTopK(router_logits, rows, E, K, c.norm_topk_prob, route_ids, route_w, s));
+        LaunchRouterTopK(router_logits, rows, E, K, c.norm_topk_prob, own_ids, route_w, s));
     *routes += static_cast<int64_t>(rows) * K;
   }
   const bool shared = !lw.shared_gate_up.empty();
@@ -769,11 +770,28 @@ absl::Status GpuModel::Impl::RunPass(absl::Span<const ModelChunk> chunks,
     CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(h_counts, plan_counts, calls * 4, cudaMemcpyDeviceToHost, s));
   }
+  if (M > 0 && routing == nullptr) {
+    // The router's choices, for the distinct-expert count (forced ids are on the host already).
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_forced, route_ids,
+                                         static_cast<size_t>(M) * rows * K * 4,
+                                         cudaMemcpyDeviceToHost, s));
+  }
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   stats.rows += rows;
   stats.routes += routes;
   stats.ensure_calls += calls;
+  std::vector<uint8_t> seen(c.num_experts);
+  for (int m = 0; m < M; ++m) {
+    std::fill(seen.begin(), seen.end(), 0);
+    const int32_t* ids = h_forced + static_cast<int64_t>(m) * rows * K;
+    for (int64_t i = 0; i < static_cast<int64_t>(rows) * K; ++i) {
+      if (ids[i] >= 0 && ids[i] < c.num_experts && !seen[ids[i]]) {
+        seen[ids[i]] = 1;
+        ++stats.distinct_experts;
+      }
+    }
+  }
   for (int i = 0; i < calls; ++i) {
     stats.misses += h_counts[i];
     stats.bytes_fetched += static_cast<uint64_t>(h_counts[i]) * store->bytes_per_expert();

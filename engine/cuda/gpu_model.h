@@ -72,6 +72,9 @@ struct GpuCacheStats {
   int64_t rows = 0;       // token rows forwarded
   int64_t routes = 0;     // routed (layer, token, expert) triples, padding excluded
   int64_t misses = 0;     // experts copied from host memory into a slot
+  // Distinct experts per MoE layer and pass, summed: the expert weights read from GPU memory
+  // (each distinct expert of a layer once per pass).
+  int64_t distinct_experts = 0;
   int64_t ensure_calls = 0;
   uint64_t bytes_fetched = 0;  // misses x the store's payload bytes per expert
 };
