@@ -31,6 +31,7 @@
 #include "common/membw.h"
 #include "common/thread_pool.h"
 #include "cpu_moe/cpu_moe.h"
+#include "cpu_moe/internal/tuning.h"
 #include "moe_cache/gpu/expert_store.h"
 #include "moe_cache/gpu/gather_kernels.h"
 #include "moe_cache/gpu/slot_pool.h"
@@ -81,7 +82,10 @@ class CpuPath {
     }
     x_.resize(kHidden, 0.01f);
     y_.resize(kHidden);
+    // The engine's settings: cpu_moe's options and tuning from the environment, as
+    // engine::CpuExpertBackend reads them, so that a profile matches the runs it is used for.
     options_ = cpu_moe::Options::FromEnv();
+    tuning_ = cpu_moe::internal::Tuning::FromEnv();
   }
 
   uint64_t bytes_per_expert() const { return Bank(0).BytesPerExpert(); }
@@ -99,8 +103,9 @@ class CpuPath {
     while (!stop.load(std::memory_order_relaxed)) {
       std::shuffle(all.begin(), all.end(), rng);
       std::copy_n(all.begin(), kTopK, ids.begin());
-      const absl::Status s = cpu_moe::Forward(Bank(layer), 1, kTopK, ids, weights, x_, absl::MakeSpan(y_),
-                                              options_, pool_);
+      const absl::Status s =
+          cpu_moe::internal::Forward(Bank(layer), 1, kTopK, ids, weights, x_, absl::MakeSpan(y_),
+                                     options_, tuning_, pool_);
       if (!s.ok()) {
         std::fprintf(stderr, "cpu_moe::Forward failed: %s\n", s.ToString().c_str());
         std::exit(1);
@@ -127,6 +132,7 @@ class CpuPath {
   std::vector<common::AlignedBuffer<uint16_t>> gate_up_, down_;
   std::vector<float> x_, y_;
   cpu_moe::Options options_;
+  cpu_moe::internal::Tuning tuning_;
 };
 
 #if MOE_HAVE_CUDA

@@ -1,8 +1,8 @@
 // Internal: the memory-system and kernel-choice knobs of cpu_moe's Forward, apart from the public
 // Options. For sweeps on a target host (set from the MOE_CPU_* variables by Tuning::FromEnv), for
-// the tests that pin what each knob may change, and for callers inside this repository that must
-// turn one off (the engine's batch-invariant mode turns AMX off). A library user sets Options
-// only; the public Forward runs with Tuning() (every value at its per-format default).
+// the tests that pin what each knob may change, and for the engine (its batch-invariant mode
+// turns AMX off; it and tools/bandwidth_probe read the sweep variables). A library user sets
+// Options only; the public Forward runs with Tuning() (every value at its per-format default).
 //
 // Contract: every valid setting of prefetch_bytes, prefetch_l2_bytes, pass1_rows, pass2_rows,
 // row_streams and overlap_passes gives y bit for bit equal to the defaults' (only the speed
