@@ -15,7 +15,7 @@
 // The q4_0 panel kernel spends 2 decode operations per line of codes and 3 per line and route
 // (8 dot products, a conversion, a multiply and an FMA per 4 lines). Its dot products alone
 // come to W = 4 per pair of lines at one route per expert, 16 at four, 32 at eight.
-//   bazel-bin/cpu_moe/overlap_probe [workers=physical cores] [GB=2] [run KiB=1024] [random order 0|1]
+//   bazel-bin/cpu_moe/benchmarks/overlap_probe [workers=physical cores] [GB=2] [run KiB=1024] [random order 0|1]
 // GCC 12's avx512fintrin.h builds masked and converting intrinsics on self-initialized undefined
 // vectors, which -Wmaybe-uninitialized and -Wuninitialized report wherever they are inlined.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"

@@ -1,5 +1,10 @@
 #!/usr/bin/env python3
-"""Summarizes a cpu_moe_bench JSON file against issue 3's targets.
+"""Summarizes a cpu_moe_bench JSON file against cpu_moe's speed targets.
+
+The targets: at T=1 a step reads at least 0.85 (bf16) or 0.70 (quantized) of the DRAM bandwidth
+measured beside it; at T=8-64 a step with dedup takes at most 1.15x the time its distinct experts'
+bytes take at that bandwidth, and dedup's speedup is at least 0.9x the reuse factor (routes over
+distinct experts).
 
 Usage: summarize.py RESULT.json [MORE.json ...]  (the files' benchmarks are read together)
 Prints, per (format, E, T): ms per step with dedup off/on, reuse, speedup (off/on) and its
@@ -10,8 +15,8 @@ x reuse): above 1 it exceeds the DRAM probe, so part of its repeated experts cam
 last-level cache, and no dedup kernel can then reach a speedup of the whole reuse factor.
 Then, where the file has BM_CpuMoeSpeedup or BM_CpuMoeTrace cases, the same speedup measured
 with both arms alternated step by step in one case (the arms of the first table run minutes
-apart, at DRAM readings that can differ by 10-20%). Last, which cases meet issue 3's targets
-and which do not.
+apart, at DRAM readings that can differ by 10-20%). Last, which cases meet the targets and
+which do not.
 
 Where the files also hold BM_CpuMoeHot with all workers (cpu_moe_bench
 --benchmark_filter=BM_CpuMoeHot/, the weights in cache: what the cores compute with no DRAM
@@ -140,8 +145,7 @@ def Floors(rows, side_by_side, hot):
           + "; ".join(f"{f} {r[1]:.0f} / {r[4]:.0f} / {r[8]:.0f} GB/s at 1 / 4 / 8 routes"
                       for f, r in sorted(hot.items())))
     print("(BM_CpuMoeHot's 16 experts sit in L3: at one route its rate can be the L3's, not the "
-          "cores', so the floor of cases with about one route per expert is an upper bound; "
-          "benchmarks/h200host_tuning_2026-12-01_session15.md section 2)")
+          "cores', so the floor of cases with about one route per expert is an upper bound)")
     print()
     print("| format | E | T | DRAM GB/s | compute floor GB/s | floor / (unique/DRAM) | "
           "measured / max(floor, unique/DRAM) | max speedup / reuse (side by side) |")
@@ -187,7 +191,7 @@ def Floors(rows, side_by_side, hot):
 
 
 def Targets(rows, side_by_side):
-    """Issue 3's targets against the cases present: what is met and what is missed."""
+    """The targets against the cases present: what is met and what is missed."""
     t1, step, speed = [], [], []
     for (fmt, e, t), r in rows.items():
         on = r.get(1)
@@ -215,7 +219,7 @@ def Targets(rows, side_by_side):
         if missed:
             print("  missed: " + "; ".join(missed))
     # A case that streamed faster than the DRAM reading beside it shows that the reading was not
-    # the limit at the time (the host's probe under-read in a slow hour of session 8): its
+    # the limit at the time (the host's probe under-read in a slow hour on 2026-11-30): its
     # fractions and step ratios, and those of its neighbours, are then no evidence either way.
     over = [f"{fmt}/{e}/{t}: {r[1]['bw_fraction']:.2f}" for (fmt, e, t), r in rows.items()
             if r.get(1) is not None and r[1]["bw_fraction"] > 1.05]

@@ -2,7 +2,7 @@
 // CPUs 0..n-1: tells whether a VM's vCPUs are separate physical cores (aggregate grows n-fold)
 // or hyperthread siblings (grows about n/2-fold past half the vCPUs). Then vCPU 0 paired with
 // each other vCPU: a sibling pair shows half the per-thread rate.
-//   bazel-bin/cpu_moe/threadscale   (no arguments; about 10 s on 16 vCPUs; AVX-512 VNNI CPUs)
+//   bazel-bin/cpu_moe/benchmarks/threadscale   (no arguments; about 10 s on 16 vCPUs; AVX-512 VNNI CPUs)
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
