@@ -83,7 +83,7 @@ def fp8_block_quantize(w):
         for j in range(bc):
             blk = w[i * FP8_BLOCK:(i + 1) * FP8_BLOCK, j * FP8_BLOCK:(j + 1) * FP8_BLOCK]
             amax = float(np.max(np.abs(blk)))
-            s = float(bf16_round(np.float32(max(amax, 1e-12) / FP8_MAX)))
+            s = bf16_round(np.float32(max(amax, 1e-12) / FP8_MAX)).item()
             q = fp8_e4m3fn_encode(np.clip(blk / np.float32(s), -FP8_MAX, FP8_MAX))
             codes[i * FP8_BLOCK:(i + 1) * FP8_BLOCK, j * FP8_BLOCK:(j + 1) * FP8_BLOCK] = q
             deq[i * FP8_BLOCK:(i + 1) * FP8_BLOCK, j * FP8_BLOCK:(j + 1) * FP8_BLOCK] = table[q] * np.float32(s)
