@@ -45,7 +45,7 @@ ABSL_FLAG(int, reps, 200, "timed single calls per case (after 10 warm-ups)");
 ABSL_FLAG(int, graph_reps, 30, "timed graph replays per case");
 ABSL_FLAG(std::string, json, "", "also write one JSON object per case to this file");
 
-namespace moe::engine::cuda {
+namespace moe::engine::gpu {
 namespace {
 
 #if MOE_HAVE_CUDA
@@ -294,9 +294,9 @@ int Main() {
 #endif
 
 }  // namespace
-}  // namespace moe::engine::cuda
+}  // namespace moe::engine::gpu
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  return moe::engine::cuda::Main();
+  return moe::engine::gpu::Main();
 }

@@ -16,7 +16,7 @@
 #include <cuda_runtime.h>
 #endif
 
-namespace moe::engine::cuda {
+namespace moe::engine::gpu {
 namespace {
 
 using common::WeightFormat;
@@ -183,4 +183,4 @@ Reference ReferenceExperts(const TestExperts& ex, const std::vector<int>& expert
   return ref;
 }
 
-}  // namespace moe::engine::cuda
+}  // namespace moe::engine::gpu

@@ -14,7 +14,7 @@
 #include "common/formats.h"
 #include "moe_cache/gpu/slot_pool.h"
 
-namespace moe::engine::cuda {
+namespace moe::engine::gpu {
 
 struct TestExperts {
   common::WeightFormat format = common::WeightFormat::kBf16;
@@ -50,6 +50,6 @@ Reference ReferenceExperts(const TestExperts& experts, const std::vector<int>& e
                            const std::vector<int32_t>& slot_ids,
                            const std::vector<float>& route_weights, const std::vector<float>& y0);
 
-}  // namespace moe::engine::cuda
+}  // namespace moe::engine::gpu
 
 #endif  // MOE_ENGINE_CUDA_EXPERTS_EXPERT_TEST_UTIL_H_

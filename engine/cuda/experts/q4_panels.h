@@ -19,7 +19,7 @@
 #define MOE_Q4_HD inline
 #endif
 
-namespace moe::engine::cuda::q4_panels {
+namespace moe::engine::gpu::q4_panels {
 
 inline constexpr int kRows = 16;          // rows per panel
 inline constexpr int kBlockBytes = 288;   // codes and scales of one 32-column block
@@ -49,7 +49,7 @@ MOE_Q4_HD uint32_t ScalesOffset(int cols, int s, int lane) {
          (lane & 3) * 8;
 }
 
-}  // namespace moe::engine::cuda::q4_panels
+}  // namespace moe::engine::gpu::q4_panels
 
 #undef MOE_Q4_HD
 

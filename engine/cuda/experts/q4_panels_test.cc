@@ -13,7 +13,7 @@
 #include "cpu_moe/cpu_moe.h"
 #include "gtest/gtest.h"
 
-namespace moe::engine::cuda {
+namespace moe::engine::gpu {
 namespace {
 
 std::vector<uint8_t> QuantizeRows(std::mt19937& rng, int rows, int cols,
@@ -96,4 +96,4 @@ TEST(Q4PanelsTest, LanesRebuildPackPanelsMatrices) {
 }
 
 }  // namespace
-}  // namespace moe::engine::cuda
+}  // namespace moe::engine::gpu

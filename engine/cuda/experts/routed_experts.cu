@@ -20,7 +20,7 @@
 #include "engine/cuda/experts/q4_panels.h"
 #include "engine/cuda/experts/routed_experts.h"
 
-namespace moe::engine::cuda {
+namespace moe::engine::gpu {
 namespace {
 
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -880,4 +880,4 @@ absl::Status LaunchRoutedExperts(const SlotBanks& banks, ExpertWorkspace& ws, in
   return LaunchFormat<Q4Format>(a, num_tokens, tc, ws, stream);
 }
 
-}  // namespace moe::engine::cuda
+}  // namespace moe::engine::gpu

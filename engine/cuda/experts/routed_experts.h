@@ -41,7 +41,7 @@ namespace moe::moe_cache {
 class SlotPool;
 }  // namespace moe::moe_cache
 
-namespace moe::engine::cuda {
+namespace moe::engine::gpu {
 
 using common::WeightFormat;
 
@@ -145,6 +145,6 @@ absl::Status LaunchRoutedExperts(const SlotBanks& banks, ExpertWorkspace& worksp
                                  const float* route_weights, float* y, CUstream_st* stream,
                                  RouteGrouping grouping = RouteGrouping::kAuto);
 
-}  // namespace moe::engine::cuda
+}  // namespace moe::engine::gpu
 
 #endif  // MOE_ENGINE_CUDA_EXPERTS_ROUTED_EXPERTS_H_

@@ -2,7 +2,7 @@
 // cpu_moe computes the same experts on the host.
 #include "engine/cuda/experts/routed_experts.h"
 
-namespace moe::engine::cuda {
+namespace moe::engine::gpu {
 
 absl::StatusOr<std::unique_ptr<ExpertWorkspace>> ExpertWorkspace::Create(
     const ExpertWorkspaceOptions&) {
@@ -17,4 +17,4 @@ absl::Status LaunchRoutedExperts(const SlotBanks&, ExpertWorkspace&, int, const 
   return absl::UnavailableError("routed experts on the GPU: built without CUDA");
 }
 
-}  // namespace moe::engine::cuda
+}  // namespace moe::engine::gpu

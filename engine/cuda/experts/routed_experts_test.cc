@@ -24,7 +24,7 @@
 #include <cuda_runtime.h>
 #endif
 
-namespace moe::engine::cuda {
+namespace moe::engine::gpu {
 namespace {
 
 using common::WeightFormat;
@@ -362,4 +362,4 @@ TEST(RoutedExpertsTest, RejectsBadArguments) {
 #endif  // MOE_HAVE_CUDA
 
 }  // namespace
-}  // namespace moe::engine::cuda
+}  // namespace moe::engine::gpu

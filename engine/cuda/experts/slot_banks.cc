@@ -6,7 +6,7 @@
 #include "engine/cuda/experts/routed_experts.h"
 #include "moe_cache/gpu/slot_pool.h"
 
-namespace moe::engine::cuda {
+namespace moe::engine::gpu {
 namespace {
 
 absl::Status CheckShape(WeightFormat format, int hidden, int intermediate) {
@@ -77,4 +77,4 @@ absl::StatusOr<SlotBanks> SlotBanksFromPool(const moe_cache::SlotPool& pool, Wei
   return banks;
 }
 
-}  // namespace moe::engine::cuda
+}  // namespace moe::engine::gpu
