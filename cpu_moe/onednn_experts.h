@@ -63,7 +63,7 @@ struct OnednnExpertsWork {
 // shape is created once and reused.
 //
 // M: oneDNN 2.6 only offers its non-AMX "gemm:jit" matmul for a runtime M (DNNL_RUNTIME_DIM_VAL;
-// brgemm refuses runtime dims), measured 2-5x slower than brgemm on this AMX dev box, so M is
+// brgemm refuses runtime dims), measured 2-5x slower than brgemm on a 2-core AMX Xeon VM, so M is
 // static: rounded up to a multiple of 16 above 16 (zero rows; AMX tiles have 16 rows anyway),
 // one cached primitive per rounded M. A prefill's experts see only a few distinct rounded M.
 //
