@@ -22,7 +22,7 @@ void EnsureExpertsCpu(CacheStateView* st, int32_t layer, const int32_t* ids, int
   for (int32_t i = 0; i < num_ids; ++i) {
     const int32_t id = ids[i];
     if (!IsRoutedId(id, E)) {
-      ++counts->padding;
+      counts->padding += id < 0 ? 1 : 0;
       continue;
     }
     const int32_t s = st->slot_of[base + id];
@@ -116,6 +116,13 @@ absl::Status CpuExpertCache::EnsureInto(int32_t layer, absl::Span<const int32_t>
         "ids has %d entries, expected tokens * k = %d * %d", ids.size(), tokens, k));
   }
   const int32_t n = static_cast<int32_t>(ids.size());
+  for (int32_t i = 0; i < n; ++i) {
+    if (ids[i] >= config_.num_experts) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "expert id %d at [%d, %d] of layer %d is >= num_experts %d", ids[i], i / std::max(k, 1),
+          i % std::max(k, 1), layer, config_.num_experts));
+    }
+  }
   result->slots.resize(n);
   result->plan.resize(std::min(n, config_.num_slots));
   int32_t plan_size = 0;

@@ -22,12 +22,14 @@ struct EnsureCounts {
   int32_t hits = 0;
   int32_t misses = 0;    // distinct experts that were not resident (placed or not)
   int32_t unplaced = 0;  // misses with no eligible victim (their outputs are -1)
-  int32_t padding = 0;   // ids < 0 or >= E
+  int32_t padding = 0;   // ids < 0
 };
 
 // Runs one ensure_experts call on the state in `st`, in exactly the order documented in
 // policy_core.h. `ids` [T*k] row-major; `out_slots` [T*k]; `plan` room for min(T*k, S) entries;
-// `used_scratch` [E] scratch bytes. Writes *plan_size. The caller validated layer and sizes.
+// `used_scratch` [E] scratch bytes. Writes *plan_size. The caller validated layer, sizes and ids
+// (CpuExpertCache rejects an id >= E; were one passed here it would be skipped, as the GPU kernel
+// skips it after raising its error flag).
 void EnsureExpertsCpu(CacheStateView* st, int32_t layer, const int32_t* ids, int32_t num_ids,
                       int32_t* out_slots, MissPlanEntry* plan, int32_t* plan_size,
                       uint8_t* used_scratch, EnsureCounts* counts);
@@ -55,7 +57,8 @@ class CpuExpertCache {
   CpuExpertCache(const CpuExpertCache&) = delete;
   CpuExpertCache& operator=(const CpuExpertCache&) = delete;
 
-  // ensure_experts(layer, ids [T, k]). InvalidArgument on a bad layer or ids.size() != T*k.
+  // ensure_experts(layer, ids [T, k]); ids < 0 are padding. InvalidArgument, with the state
+  // unchanged, on a bad layer, ids.size() != T*k or an id >= num_experts.
   absl::StatusOr<EnsureResult> Ensure(int32_t layer, absl::Span<const int32_t> ids, int32_t tokens,
                                       int32_t k);
   // Same, into a caller-owned result (no allocation after warm-up); for the simulator's hot loop.

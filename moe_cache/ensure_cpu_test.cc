@@ -69,8 +69,8 @@ TEST(EnsureCpuTest, PaddingIsSkippedEverywhere) {
   // Expert 0 (what a clamp would turn padding into) was never touched.
   EXPECT_EQ(c.SlotOf(1 * 8 + 0), -1);
   EXPECT_EQ(c.freq()[1 * 8 + 0], 0u);
-  // Out-of-range ids are treated like padding.
-  r = Ensure(c, 1, {8, 100});
+  // Any negative id is padding (ids >= E are errors: see below).
+  r = Ensure(c, 1, {-8, -100});
   EXPECT_EQ(r.slots, (std::vector<int32_t>{-1, -1}));
   EXPECT_EQ(r.counts.padding, 2);
 }
@@ -132,6 +132,25 @@ TEST(EnsureCpuTest, RejectsBadShapes) {
   bad.num_layers = bad.num_experts = bad.num_slots = 1;
   bad.params.policy = 9;
   EXPECT_FALSE(CpuExpertCache::Create(bad).ok());
+}
+
+// The id rule: ids < 0 are padding (counted as such, slot -1); an id >= E is InvalidArgument and
+// leaves the state as it was (no slot filled, no counter advanced).
+TEST(EnsureCpuTest, IdAtOrAboveExpertsIsInvalidArgumentAndChangesNothing) {
+  CpuExpertCache c = MakeCache(2, 8, 4, kPolicyLru);
+  const uint32_t counter = c.call_counter();
+  std::vector<int32_t> ids = {1, 8, 2};
+  absl::StatusOr<EnsureResult> r = c.Ensure(0, ids, 1, 3);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.call_counter(), counter);
+  for (int32_t s : c.expert_of_slot()) EXPECT_EQ(s, -1);
+  ids = {1, -1, -9};
+  r = c.Ensure(0, ids, 1, 3);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->counts.padding, 2);
+  EXPECT_EQ(r->counts.misses, 1);
+  EXPECT_EQ(r->slots[1], -1);
+  EXPECT_EQ(r->slots[2], -1);
 }
 
 TEST(EnsureCpuTest, MirrorIsDeterministicAndStateStaysConsistent) {

@@ -33,18 +33,30 @@ absl::StatusOr<HotPinner> HotPinner::Create(int32_t layers, int32_t experts, int
 }
 
 HotPinner::HotPinner(int32_t layers, int32_t experts, int32_t budget, const PinningConfig& config)
-    : experts_(experts),
+    : layers_(layers),
+      experts_(experts),
       budget_(budget),
       config_(config),
       step_counts_(static_cast<size_t>(layers) * experts, 0),
       heat_(static_cast<size_t>(layers) * experts, 0.0),
       pinned_(static_cast<size_t>(layers) * experts, 0) {}
 
-void HotPinner::Observe(int32_t layer, absl::Span<const int32_t> ids) {
+absl::Status HotPinner::Observe(int32_t layer, absl::Span<const int32_t> ids) {
+  if (layer < 0 || layer >= layers_) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer %d out of range [0, %d)", layer, layers_));
+  }
   for (int32_t id : ids) {
-    if (id < 0 || id >= experts_) continue;
+    if (id >= experts_) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("expert id %d of layer %d is >= experts %d", id, layer, experts_));
+    }
+  }
+  for (int32_t id : ids) {
+    if (id < 0) continue;  // padding
     ++step_counts_[static_cast<size_t>(layer) * experts_ + id];
   }
+  return absl::OkStatus();
 }
 
 std::vector<PinChange> HotPinner::EndStep() {

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 
@@ -37,8 +38,9 @@ class HotPinner {
   static absl::StatusOr<HotPinner> Create(int32_t layers, int32_t experts, int32_t slots,
                                           int32_t reserve, const PinningConfig& config);
 
-  // Routed ids of one layer in the current step (padding ignored).
-  void Observe(int32_t layer, absl::Span<const int32_t> ids);
+  // Routed ids of one layer in the current step (padding, < 0, ignored). InvalidArgument,
+  // observing nothing, for a layer out of range or an id >= experts.
+  absl::Status Observe(int32_t layer, absl::Span<const int32_t> ids);
   // Ends a step: folds its counts into the heat and, every adapt_every steps, adapts. Returns the
   // flag changes to apply (empty between adaptations).
   std::vector<PinChange> EndStep();
@@ -53,6 +55,7 @@ class HotPinner {
   HotPinner(int32_t layers, int32_t experts, int32_t budget, const PinningConfig& config);
   std::vector<PinChange> Adapt();
 
+  int32_t layers_;
   int32_t experts_;
   int32_t budget_;
   PinningConfig config_;

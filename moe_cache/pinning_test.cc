@@ -48,7 +48,7 @@ PinRun RunPinner(double margin) {
   PinRun run{0, 0, 0, *HotPinner::Create(4, 32, 40, 4, pc)};
   for (int32_t tok = 0; tok < t.tokens; ++tok) {
     for (int32_t l = 0; l < t.layers; ++l) {
-      run.pinner.Observe(l, absl::MakeConstSpan(t.Row(tok, l), t.k));
+      EXPECT_TRUE(run.pinner.Observe(l, absl::MakeConstSpan(t.Row(tok, l), t.k)).ok());
     }
     const uint64_t before = run.pinner.total_swaps();
     run.pinner.EndStep();
@@ -90,11 +90,25 @@ TEST(PinningTest, PaddingIsNotHeat) {
   PinningConfig pc;
   pc.adapt_every = 1;
   HotPinner p = *HotPinner::Create(1, 4, 4, 1, pc);
-  std::vector<int32_t> ids = {-1, -1, 9};
-  p.Observe(0, ids);
+  std::vector<int32_t> ids = {-1, -1, -7};
+  ASSERT_TRUE(p.Observe(0, ids).ok());
   p.EndStep();
   for (int32_t g = 0; g < 4; ++g) EXPECT_EQ(p.heat(g), 0.0);
   EXPECT_EQ(p.num_pinned(), 0);
+}
+
+// An id >= E is InvalidArgument and observes nothing (not even the row's valid ids); so is a
+// layer out of range.
+TEST(PinningTest, IdAtOrAboveExpertsIsInvalidArgument) {
+  PinningConfig pc;
+  pc.adapt_every = 1;
+  HotPinner p = *HotPinner::Create(1, 4, 4, 1, pc);
+  std::vector<int32_t> ids = {2, -1, 4};
+  EXPECT_EQ(p.Observe(0, ids).code(), absl::StatusCode::kInvalidArgument);
+  std::vector<int32_t> ok = {2};
+  EXPECT_EQ(p.Observe(1, ok).code(), absl::StatusCode::kInvalidArgument);
+  p.EndStep();
+  for (int32_t g = 0; g < 4; ++g) EXPECT_EQ(p.heat(g), 0.0);
 }
 
 TEST(PinningTest, PinnedExpertsStayResidentInTheCache) {

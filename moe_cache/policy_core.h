@@ -111,7 +111,9 @@ MOE_HD inline PolicyParams DefaultPolicyParams(int32_t policy) {
 constexpr uint64_t kFreeSlotScore = 0;
 
 MOE_HD inline bool IsRoutedId(int32_t id, int32_t num_experts) {
-  // Padding (< 0) and out-of-range ids are skipped everywhere: not counted, not fetched.
+  // Padding (< 0) is skipped everywhere: not counted, not fetched. An id >= E is an error: the
+  // host APIs reject it with InvalidArgument before touching any state, and the GPU kernel,
+  // which cannot return a Status, skips it like padding and raises its error flag.
   return id >= 0 && id < num_experts;
 }
 

@@ -11,19 +11,36 @@
 namespace moe {
 namespace moe_cache {
 
-void RoutingStats::AddCall(int32_t layer, absl::Span<const int32_t> ids,
-                           const EnsureCounts& outcome) {
+absl::Status RoutingStats::AddCall(int32_t layer, absl::Span<const int32_t> ids,
+                                   const EnsureCounts& outcome) {
+  if (layer < 0 || layer >= layers) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer %d out of range [0, %d)", layer, layers));
+  }
   for (int32_t id : ids) {
-    if (id < 0 || id >= experts) continue;
+    if (id >= experts) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("expert id %d of layer %d is >= experts %d", id, layer, experts));
+    }
+  }
+  for (int32_t id : ids) {
+    if (id < 0) continue;  // padding
     ++counts[static_cast<size_t>(layer) * experts + id];
   }
   hits += outcome.hits;
   misses += outcome.misses;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ReplayCounts> ReplayBelady(const Trace& trace, int32_t experts, int32_t slots) {
   if (slots <= 0) {
     return absl::InvalidArgumentError(absl::StrFormat("slots must be positive, got %d", slots));
+  }
+  for (int32_t id : trace.ids) {
+    if (id >= experts) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("trace has expert id %d, >= experts %d", id, experts));
+    }
   }
   const int64_t num_calls = static_cast<int64_t>(trace.tokens) * trace.layers;
   const size_t num_global = static_cast<size_t>(trace.layers) * experts;
@@ -36,7 +53,7 @@ absl::StatusOr<ReplayCounts> ReplayBelady(const Trace& trace, int32_t experts, i
     const int32_t* row = trace.ids.data() + c * trace.k;
     call_begin[c] = static_cast<int64_t>(call_experts.size());
     for (int32_t j = 0; j < trace.k; ++j) {
-      if (row[j] < 0 || row[j] >= experts) continue;
+      if (row[j] < 0) continue;  // padding
       const int32_t g = layer * experts + row[j];
       if (last_seen[g] == c) continue;
       last_seen[g] = c;

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "moe_cache/ensure_cpu.h"
@@ -34,8 +35,9 @@ struct RoutingStats {
       : layers(num_layers), experts(num_experts), bytes_per_expert(bytes),
         counts(static_cast<size_t>(num_layers) * num_experts, 0) {}
 
-  // Adds one ensure call's routing (ids [T*k] of `layer`) and its outcome.
-  void AddCall(int32_t layer, absl::Span<const int32_t> ids, const EnsureCounts& outcome);
+  // Adds one ensure call's routing (ids [T*k] of `layer`; < 0 is padding) and its outcome.
+  // InvalidArgument, adding nothing, for a layer out of range or an id >= experts.
+  absl::Status AddCall(int32_t layer, absl::Span<const int32_t> ids, const EnsureCounts& outcome);
   // Counts one step of `tokens` tokens (call once per step, not per layer).
   void AddTokens(uint64_t n) { tokens += n; }
 
@@ -53,7 +55,7 @@ struct ReplayCounts {
 
 // Belady's MIN on `trace` with `slots` slots, one call per (token, layer) in order: on a miss evict
 // the resident expert whose next use is furthest in the future (never one used by the current call;
-// free slots first). InvalidArgument if slots <= 0.
+// free slots first). Ids < 0 are padding. InvalidArgument if slots <= 0 or an id >= experts.
 absl::StatusOr<ReplayCounts> ReplayBelady(const Trace& trace, int32_t experts, int32_t slots);
 
 }  // namespace moe_cache

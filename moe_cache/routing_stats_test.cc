@@ -27,7 +27,7 @@ RoutingStats Replay(const Trace& t, int32_t experts, int32_t slots, int32_t T, i
       std::vector<int32_t> ids(static_cast<size_t>(T) * k_padded, -1);
       for (int32_t j = 0; j < t.k; ++j) ids[j] = t.Row(tok, l)[j];
       EnsureResult r = *cache.Ensure(l, ids, T, k_padded);
-      stats.AddCall(l, ids, r.counts);
+      EXPECT_TRUE(stats.AddCall(l, ids, r.counts).ok());
     }
     stats.AddTokens(1);
   }
@@ -65,6 +65,33 @@ TEST(BeladyTest, HandExample) {
   EXPECT_EQ(r.misses, 4u);
   EXPECT_EQ(r.hits, 2u);
   EXPECT_FALSE(ReplayBelady(t, 3, 0).ok());
+}
+
+// Ids < 0 are padding; an id >= E is InvalidArgument and adds nothing.
+TEST(RoutingStatsTest, IdAtOrAboveExpertsIsInvalidArgument) {
+  RoutingStats stats(2, 4, 1e6);
+  EnsureCounts outcome;
+  outcome.hits = 1;
+  std::vector<int32_t> ids = {1, -1, 4};
+  EXPECT_EQ(stats.AddCall(0, ids, outcome).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(stats.AddCall(2, {}, outcome).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(stats.hits, 0u);
+  for (uint64_t c : stats.counts) EXPECT_EQ(c, 0u);
+  ids = {1, -1, -5};
+  ASSERT_TRUE(stats.AddCall(1, ids, outcome).ok());
+  EXPECT_EQ(stats.counts[1 * 4 + 1], 1u);
+  EXPECT_EQ(stats.hits, 1u);
+}
+
+TEST(BeladyTest, IdAtOrAboveExpertsIsInvalidArgument) {
+  Trace t;
+  t.tokens = 2;
+  t.layers = 1;
+  t.k = 1;
+  t.ids = {0, 3};
+  EXPECT_EQ(ReplayBelady(t, 3, 2).status().code(), absl::StatusCode::kInvalidArgument);
+  t.ids = {0, -1};
+  EXPECT_TRUE(ReplayBelady(t, 3, 2).ok());
 }
 
 TEST(BeladyTest, NeverBeatenByAnOnlinePolicyOnRandomSmallTraces) {

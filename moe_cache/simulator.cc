@@ -97,7 +97,10 @@ absl::StatusOr<SimResult> Simulate(const Trace& trace, SimPolicy policy, int32_t
       if (!s.ok()) return s;
       r.hits += res.counts.hits;
       r.misses += res.counts.misses;
-      if (pinner) pinner->Observe(l, ids);
+      if (pinner) {
+        s = pinner->Observe(l, ids);
+        if (!s.ok()) return s;
+      }
     }
     if (pinner) {
       for (const PinChange& c : pinner->EndStep()) cache.SetPinned(c.expert, c.pinned);

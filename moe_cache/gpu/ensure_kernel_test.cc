@@ -263,6 +263,98 @@ TEST(EnsureKernelTest, CapturedGraphReplaysLikeTheMirror) {
   cudaFree(d_plan);
 }
 
+// The id rule on the GPU: an id >= E inside a captured step is skipped like padding (the state
+// evolves exactly as the mirror's on the same ids with that id made padding) and raises the
+// error flag, which TakeEnsureError reports once as InvalidArgument and clears. Launches without
+// a flag keep their old behaviour.
+TEST(EnsureKernelTest, CapturedKernelFlagsIdAtOrAboveExperts) {
+  MOE_SKIP_WITHOUT_GPU();
+  constexpr int kLayers = 2, kExperts = 16, kTopK = 4, kSlots = 8;
+  CacheConfig config{kLayers, kExperts, kSlots, DefaultPolicyParams(kPolicyLru)};
+  auto cpu_or = CpuExpertCache::Create(config);
+  ASSERT_TRUE(cpu_or.ok());
+  CpuExpertCache cpu = std::move(*cpu_or);
+  auto dev_or = DeviceCacheState::Create(kLayers, kExperts, kSlots, config.params);
+  ASSERT_TRUE(dev_or.ok()) << dev_or.status();
+  int32_t *d_ids, *d_slots, *d_count, *d_flag;
+  MissPlanEntry* d_plan;
+  ASSERT_EQ(cudaMalloc(&d_ids, sizeof(int32_t) * kTopK * kLayers), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_slots, sizeof(int32_t) * kTopK * kLayers), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_count, sizeof(int32_t) * kLayers), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_plan, sizeof(MissPlanEntry) * kTopK * kLayers), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_flag, sizeof(int32_t)), cudaSuccess);
+  ASSERT_EQ(cudaMemset(d_flag, 0, sizeof(int32_t)), cudaSuccess);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  for (int layer = 0; layer < kLayers; ++layer) {
+    ASSERT_TRUE(LaunchEnsureExperts((*dev_or)->view(), layer, d_ids + layer * kTopK, kTopK,
+                                    d_slots + layer * kTopK, d_count + layer,
+                                    d_plan + layer * kTopK, stream, d_flag)
+                    .ok());
+  }
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
+  // Steps: clean, one id == E in layer 1, clean again, an id far above E in layer 0.
+  const std::vector<std::vector<int32_t>> steps = {
+      {0, 1, 2, 3, 4, 5, -1, 6},
+      {0, 7, 8, 9, 10, kExperts, 11, -1},
+      {1, 2, 12, 13, 14, 15, 3, 4},
+      {kExperts + 1000, 5, 6, -1, 7, 8, 9, 0},
+  };
+  const bool bad[] = {false, true, false, true};
+  std::vector<int32_t> slots(kTopK * kLayers);
+  for (size_t step = 0; step < steps.size(); ++step) {
+    const std::vector<int32_t>& ids = steps[step];
+    ASSERT_EQ(cudaMemcpyAsync(d_ids, ids.data(), sizeof(int32_t) * ids.size(),
+                              cudaMemcpyHostToDevice, stream),
+              cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(slots.data(), d_slots, sizeof(int32_t) * slots.size(),
+                              cudaMemcpyDeviceToHost, stream),
+              cudaSuccess);
+    const absl::Status err = TakeEnsureError(d_flag, stream);
+    if (bad[step]) {
+      EXPECT_EQ(err.code(), absl::StatusCode::kInvalidArgument) << "step " << step;
+    } else {
+      EXPECT_TRUE(err.ok()) << "step " << step << ": " << err;
+    }
+    EXPECT_TRUE(TakeEnsureError(d_flag, stream).ok()) << "the flag is cleared";
+    // The mirror rejects the bad id; with it made padding, its decisions equal the kernel's.
+    for (int layer = 0; layer < kLayers; ++layer) {
+      std::vector<int32_t> layer_ids(ids.begin() + layer * kTopK,
+                                     ids.begin() + (layer + 1) * kTopK);
+      bool has_bad = false;
+      for (int32_t& id : layer_ids) {
+        if (id >= kExperts) {
+          id = -1;
+          has_bad = true;
+        }
+      }
+      if (has_bad) {
+        std::vector<int32_t> raw(ids.begin() + layer * kTopK, ids.begin() + (layer + 1) * kTopK);
+        EXPECT_EQ(cpu.Ensure(layer, raw, 1, kTopK).status().code(),
+                  absl::StatusCode::kInvalidArgument);
+      }
+      auto r = cpu.Ensure(layer, layer_ids, 1, kTopK);
+      ASSERT_TRUE(r.ok());
+      EXPECT_TRUE(std::equal(r->slots.begin(), r->slots.end(), slots.begin() + layer * kTopK))
+          << "step " << step << " layer " << layer;
+    }
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  cudaFree(d_ids);
+  cudaFree(d_slots);
+  cudaFree(d_count);
+  cudaFree(d_plan);
+  cudaFree(d_flag);
+}
+
 #else
 TEST(EnsureKernelTest, BuiltWithoutCuda) { GTEST_SKIP() << "built without CUDA"; }
 #endif  // MOE_HAVE_CUDA

@@ -57,7 +57,8 @@ __device__ Candidate BlockPickVictim(const CacheStateView& st, int32_t layer, ui
 // within the block.
 __global__ void __launch_bounds__(kThreads)
     EnsureExpertsKernel(CacheStateView st, int32_t layer, const int32_t* ids, int32_t num_ids,
-                        int32_t* slot_ids, int32_t* plan_count, MissPlanEntry* plan) {
+                        int32_t* slot_ids, int32_t* plan_count, MissPlanEntry* plan,
+                        int32_t* error_flag) {
   extern __shared__ uint8_t used[];  // [E] experts of this layer routed in this call
   __shared__ Candidate warp_best[kWarps];
   __shared__ int32_t misses;
@@ -70,7 +71,11 @@ __global__ void __launch_bounds__(kThreads)
   // (1) Hits: mark used, refresh the slot. Idempotent per slot, so order does not matter here.
   for (int32_t i = threadIdx.x; i < num_ids; i += blockDim.x) {
     const int32_t id = ids[i];
-    if (!IsRoutedId(id, E)) continue;
+    if (!IsRoutedId(id, E)) {
+      // An id >= E: skipped like padding, reported through the flag (the first one wins).
+      if (id >= E && error_flag != nullptr) atomicCAS(error_flag, 0, id);
+      continue;
+    }
     used[id] = 1;
     const int32_t s = st.slot_of[layer * E + id];
     if (s >= 0) OnHit(&st, s, counter);
@@ -115,7 +120,7 @@ uint64_t AlignUp(uint64_t x) { return (x + 255) / 256 * 256; }
 
 absl::Status LaunchEnsureExperts(const CacheStateView& state, int32_t layer, const int32_t* ids,
                                  int32_t num_ids, int32_t* slot_ids, int32_t* plan_count,
-                                 MissPlanEntry* plan, CUstream_st* stream) {
+                                 MissPlanEntry* plan, CUstream_st* stream, int32_t* error_flag) {
   if (layer < 0 || layer >= state.num_layers) {
     return absl::InvalidArgumentError(
         absl::StrCat("ensure_experts: layer ", layer, " out of [0, ", state.num_layers, ")"));
@@ -127,9 +132,23 @@ absl::Status LaunchEnsureExperts(const CacheStateView& state, int32_t layer, con
   }
   if (num_ids < 0) return absl::InvalidArgumentError("ensure_experts: negative id count");
   EnsureExpertsKernel<<<1, kThreads, state.num_experts, stream>>>(state, layer, ids, num_ids,
-                                                                  slot_ids, plan_count, plan);
+                                                                  slot_ids, plan_count, plan,
+                                                                  error_flag);
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
+}
+
+absl::Status TakeEnsureError(int32_t* error_flag, CUstream_st* stream) {
+  if (error_flag == nullptr) return absl::InvalidArgumentError("TakeEnsureError: null flag");
+  int32_t bad_id = 0;
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&bad_id, error_flag, sizeof(bad_id), cudaMemcpyDeviceToHost, stream));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  if (bad_id == 0) return absl::OkStatus();
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(error_flag, 0, sizeof(int32_t), stream));
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "ensure_experts: routed expert id ", bad_id, " is >= the experts per layer"));
 }
 
 namespace {

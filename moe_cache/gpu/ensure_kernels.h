@@ -51,9 +51,19 @@ class DeviceCacheState {
 // ids: device [num_ids] routed expert ids of this layer (row-major [T, k]; < 0 is padding).
 // slot_ids: device [num_ids] out: slot of each id, -1 for padding (or if no slot was eligible).
 // plan_count: device [1] out: number of misses placed; plan: device [capacity >= num_ids] out.
+// error_flag: optional device int32 [1], zero before the first launch. An id >= E is an error
+// that a captured kernel cannot return: the kernel skips that id like padding (no state is read
+// or written for it) and, when error_flag is set, stores the id there (the first one wins; the
+// flag stays set until cleared). The host checks it once per step with TakeEnsureError.
 absl::Status LaunchEnsureExperts(const CacheStateView& state, int32_t layer, const int32_t* ids,
                                  int32_t num_ids, int32_t* slot_ids, int32_t* plan_count,
-                                 MissPlanEntry* plan, CUstream_st* stream);
+                                 MissPlanEntry* plan, CUstream_st* stream,
+                                 int32_t* error_flag = nullptr);
+
+// Reads the error flag of the launches so far on `stream` (waits for the stream) and clears it:
+// InvalidArgument naming the offending id when a launch saw an id >= E, else OK; Internal for a
+// CUDA failure. Host-synchronous: call outside graph capture, once per step.
+absl::Status TakeEnsureError(int32_t* error_flag, CUstream_st* stream);
 
 }  // namespace moe::moe_cache
 
