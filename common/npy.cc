@@ -159,9 +159,16 @@ absl::StatusOr<NpyArray> ParseNpy(std::string_view bytes, const std::string& ori
   } else if (descr == "<i8") {
     a.dtype = NpyDtype::kInt32;
     itemsize = 8;
+  } else if (descr == "<i2") {
+    a.dtype = NpyDtype::kInt32;
+    itemsize = 2;
+  } else if (descr == "|i1") {
+    a.dtype = NpyDtype::kInt32;
+    itemsize = 1;
   } else {
     return Bad(origin, absl::StrCat("dtype '", descr,
-                                    "' is not supported (supported: '<f4', '<i4', '<i8')"));
+                                    "' is not supported (supported: '<f4', '<i4', '<i8', '<i2', "
+                                    "'|i1')"));
   }
   // Element count without overflow: each factor is checked against the bytes available.
   const size_t data_start = header_start + header_len;
@@ -190,6 +197,16 @@ absl::StatusOr<NpyArray> ParseNpy(std::string_view bytes, const std::string& ori
   } else if (itemsize == 4) {
     a.i32.resize(numel);
     std::memcpy(a.i32.data(), data, numel * 4);
+  } else if (itemsize == 2) {
+    a.i32.resize(numel);
+    for (uint64_t i = 0; i < numel; ++i) {
+      int16_t v;
+      std::memcpy(&v, data + 2 * i, 2);
+      a.i32[i] = v;
+    }
+  } else if (itemsize == 1) {
+    a.i32.resize(numel);
+    for (uint64_t i = 0; i < numel; ++i) a.i32[i] = static_cast<int8_t>(data[i]);
   } else {
     a.i32.resize(numel);
     for (uint64_t i = 0; i < numel; ++i) {

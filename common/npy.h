@@ -1,6 +1,7 @@
 // .npy files (NumPy's array format, versions 1.0-3.0): a reader and a writer for float32 and
 // int32 arrays of any rank, little-endian, C order, as numpy.save writes them. int64 arrays
-// (NumPy's default integer) are read as int32 when every value fits. Every problem with a file
+// (NumPy's default integer) are read as int32 when every value fits; int16 and int8 arrays are
+// read as int32. Every problem with a file
 // (magic, version, header, dtype, Fortran order, shape, size) is InvalidArgument naming the origin.
 // Plain functions and values; thread-safe.
 #ifndef MOE_COMMON_NPY_H_

@@ -93,6 +93,23 @@ TEST(NpyTest, Int64AndVersion2) {
             "does not fit int32");
 }
 
+TEST(NpyTest, Int16AndInt8ReadAsInt32) {
+  const int16_t v16[3] = {-32768, -1, 32767};
+  absl::StatusOr<NpyArray> a =
+      ParseNpy(WithHeader("{'descr': '<i2', 'fortran_order': False, 'shape': (3,), }",
+                          std::string(reinterpret_cast<const char*>(v16), 6)),
+               "x.npy");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->dtype, NpyDtype::kInt32);
+  EXPECT_EQ(a->i32, (std::vector<int32_t>{-32768, -1, 32767}));
+  const int8_t v8[2] = {-128, 127};
+  a = ParseNpy(WithHeader("{'descr': '|i1', 'fortran_order': False, 'shape': (2,), }",
+                          std::string(reinterpret_cast<const char*>(v8), 2)),
+               "x.npy");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->i32, (std::vector<int32_t>{-128, 127}));
+}
+
 TEST(NpyTest, Errors) {
   ExpectBad("PK\x03\x04zipfile", "magic");
   std::string v9 = NumpyFloat2x3();

@@ -184,6 +184,10 @@ absl::Status ValidateBank(const ExpertBank& b) {
       (b.gate_up_global_scales == nullptr || b.down_global_scales == nullptr)) {
     return absl::InvalidArgumentError("nvfp4 bank needs per-expert global scales");
   }
+  if (b.global_scale_stride < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("global_scale_stride ", b.global_scale_stride, " must be >= 1"));
+  }
   return absl::OkStatus();
 }
 
@@ -191,7 +195,8 @@ absl::Status ValidateBank(const ExpertBank& b) {
 struct OnednnPart {
   int experts = 0;
   int routes = 0;
-  std::vector<float> y;  // [T, H] fp32: the oneDNN experts' sum, then the GEMV kernels add theirs
+  // [T, H] fp32: the oneDNN experts' sum, then the GEMV kernels add theirs.
+  common::AlignedBuffer<float> y;
   std::vector<int> token_route_begin;  // all routes' (before the split)
   void* user_y = nullptr;
   DType user_y_dtype = DType::kF32;
@@ -246,7 +251,17 @@ absl::Status RunOnednnPart(const ExpertBank& bank, const Options& options,
     }
     rest.token_route_begin[t + 1] = static_cast<int>(rest.route_token.size());
   }
-  part->y.assign(static_cast<size_t>(plan.num_tokens) * bank.hidden, 0.0f);
+  {
+    const size_t n = static_cast<size_t>(plan.num_tokens) * bank.hidden;
+    absl::StatusOr<common::AlignedBuffer<float>> y = common::AlignedBuffer<float>::Allocate(n);
+    if (!y.ok()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cpu_moe: cannot allocate the oneDNN part's output for ", plan.num_tokens,
+          " tokens: ", y.status().message()));
+    }
+    part->y = std::move(*y);
+    std::fill(part->y.begin(), part->y.end(), 0.0f);
+  }
   OnednnExpertsWork w;
   w.hidden = bank.hidden;
   w.intermediate = bank.intermediate;
@@ -456,6 +471,66 @@ size_t ExpertBank::DownBytesPerExpert() const {
   return MatrixBytes(format, hidden, intermediate);
 }
 
+absl::StatusOr<ExpertBank> BankFromView(const common::ExpertLayerView& v) {
+  ExpertBank b;
+  b.format = v.format;
+  b.num_experts = v.num_experts;
+  b.hidden = v.hidden;
+  b.intermediate = v.intermediate;
+  b.layout = v.layout == common::ExpertLayout::kPanels ? Layout::kPanels : Layout::kRowMajor;
+  if (v.hidden <= 0 || v.intermediate <= 0 || v.num_experts <= 0) RETURN_IF_ERROR(ValidateBank(b));
+  const WeightFormat f = v.format;
+  const size_t H = v.hidden, I = v.intermediate;
+  const bool split_scales = b.layout == Layout::kRowMajor &&
+                            (f == WeightFormat::kMxfp4 || f == WeightFormat::kNvfp4);
+  // Bytes per expert of a matrix's codes (scales included where they live inside) and of its
+  // separate scales.
+  auto codes = [&](size_t rows, size_t cols) {
+    return split_scales ? rows * cols / 2 : rows * RowBytesOf(f, cols);
+  };
+  auto scales = [&](size_t rows, size_t cols) -> size_t {
+    if (f == WeightFormat::kFp8Block) {
+      const size_t bs = common::kFp8BlockSize;
+      return ((rows + bs - 1) / bs) * ((cols + bs - 1) / bs) * sizeof(float);
+    }
+    if (split_scales) {
+      return rows * cols / (f == WeightFormat::kMxfp4 ? common::kMxfp4Block : common::kNvfp4Block);
+    }
+    return 0;
+  };
+  // cpu_moe reads codes and scales of consecutive experts back to back: their arrays must be
+  // dense. Global scales may have any pitch that holds whole floats.
+  auto dense = [&](const common::ExpertArray& a, size_t bytes, const char* name,
+                   const void** out) -> absl::Status {
+    if (bytes == 0) return absl::OkStatus();
+    if (a.data != nullptr && a.pitch != bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "expert view: ", name, " has a pitch of ", a.pitch, " bytes; cpu_moe reads it in place "
+          "only when dense (", bytes, " bytes per expert)"));
+    }
+    *out = a.data;
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(dense(v.gate_up, codes(2 * I, H), "gate_up", &b.gate_up_weights));
+  RETURN_IF_ERROR(dense(v.down, codes(H, I), "down", &b.down_weights));
+  RETURN_IF_ERROR(dense(v.gate_up_scales, scales(2 * I, H), "gate_up_scales", &b.gate_up_scales));
+  RETURN_IF_ERROR(dense(v.down_scales, scales(H, I), "down_scales", &b.down_scales));
+  if (f == WeightFormat::kNvfp4) {
+    const common::ExpertArray& g = v.gate_up_global_scale;
+    const common::ExpertArray& d = v.down_global_scale;
+    if (g.pitch != d.pitch || g.pitch == 0 || g.pitch % sizeof(float) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "expert view: nvfp4 global scales need one equal pitch, a multiple of 4 bytes (got ",
+          g.pitch, " and ", d.pitch, ")"));
+    }
+    b.gate_up_global_scales = static_cast<const float*>(g.data);
+    b.down_global_scales = static_cast<const float*>(d.data);
+    b.global_scale_stride = static_cast<int>(g.pitch / sizeof(float));
+  }
+  RETURN_IF_ERROR(ValidateBank(b));
+  return b;
+}
+
 absl::StatusOr<std::unique_ptr<PanelBank>> PackPanels(const ExpertBank& row_major,
                                                       common::ThreadPool* pool) {
   RETURN_IF_ERROR(ValidateBank(row_major));
@@ -503,10 +578,11 @@ absl::StatusOr<std::unique_ptr<PanelBank>> PackPanels(const ExpertBank& row_majo
   b.gate_up_scales = nullptr;
   b.down_scales = nullptr;
   if (f == WeightFormat::kNvfp4) {
-    out->gate_up_global_scales.assign(row_major.gate_up_global_scales,
-                                      row_major.gate_up_global_scales + E);
-    out->down_global_scales.assign(row_major.down_global_scales,
-                                   row_major.down_global_scales + E);
+    const size_t stride = static_cast<size_t>(row_major.global_scale_stride);
+    for (size_t e = 0; e < static_cast<size_t>(E); ++e) {
+      out->gate_up_global_scales.push_back(row_major.gate_up_global_scales[e * stride]);
+      out->down_global_scales.push_back(row_major.down_global_scales[e * stride]);
+    }
     b.gate_up_global_scales = out->gate_up_global_scales.data();
     b.down_global_scales = out->down_global_scales.data();
   }
@@ -684,6 +760,11 @@ absl::Status internal::Forward(const ExpertBank& bank, int num_tokens, int top_k
 
   // One dispatch per call, at the chosen (possibly capped) target.
   if (num_routes > 0) HWY_DISPATCH_TABLE(ForwardImpl)[TableIndex(target)](plan);
+  if (plan.scratch_bytes_missing > 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cpu_moe: cannot allocate ", plan.scratch_bytes_missing,
+                     " bytes of scratch for ", num_tokens, " tokens (", num_routes, " routes)"));
+  }
   if (stats != nullptr) {
     stats->prep_x_seconds = plan.phase_seconds[0];
     stats->pass1_seconds = plan.phase_seconds[1];

@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/aligned_buffer.h"
+#include "common/expert_view.h"
 #include "common/formats.h"
 #include "common/thread_pool.h"
 
@@ -80,6 +81,9 @@ struct ExpertBank {
   const void* down_scales = nullptr;
   const float* down_global_scales = nullptr;
   Layout layout = Layout::kRowMajor;
+  // nvfp4: floats from one expert's global scale to the next (1: contiguous [E]; a store whose
+  // rows are padded to 16 bytes has 4).
+  int global_scale_stride = 1;
 
   // Bytes of one expert's gate_up / down weights including their scales (what one read costs).
   size_t GateUpBytesPerExpert() const;
@@ -180,8 +184,10 @@ struct ForwardStats {
 // Rows of y whose token has no valid route are left untouched. Reads the bank, ids, weights and
 // x; writes only y (and *stats when given). Thread-safe for distinct y. `pool` runs the work;
 // its caller thread takes part. InvalidArgument for a bank it cannot read (shape, format,
-// missing scales), mismatched sizes, an id >= E, or an unknown target cap; the oneDNN part's
-// errors pass through. Runs with the default tuning (internal::Tuning()).
+// missing scales), mismatched sizes, an id >= E, or an unknown target cap; ResourceExhausted
+// when the call's scratch (it grows with num_tokens * top_k: h and the per-route outputs take
+// routes * (2I + H) floats) cannot be allocated, with y untouched; the oneDNN part's errors pass
+// through. Runs with the default tuning (internal::Tuning()).
 absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
                      absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
                      const void* x, DType x_dtype, void* y, DType y_dtype, const Options& options,
@@ -192,6 +198,14 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
                      absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
                      absl::Span<const float> x, absl::Span<float> y, const Options& options,
                      common::ThreadPool& pool, ForwardStats* stats = nullptr);
+
+// The bank of one layer's experts as a holder such as moe_cache's ExpertStore hands them out
+// (common/expert_view.h), read in place: no copy. The codes and scales of consecutive experts
+// must be dense (pitch == the bytes above per expert, which the 16-byte store rows are for every
+// shape except fp8_block scales of shapes whose scale rows are not whole 16-byte rows); nvfp4's
+// global scales may have any pitch of whole floats. InvalidArgument otherwise, or for a bank
+// Forward would reject. The result points into the view's memory.
+absl::StatusOr<ExpertBank> BankFromView(const common::ExpertLayerView& view);
 
 // A bank copied into Layout::kPanels, owning its memory (on transparent huge pages where the
 // system allows). `bank` points into the buffers below; the struct does not move (PackPanels

@@ -55,11 +55,11 @@
 #include "common/aligned_buffer.h"
 #include "common/formats.h"
 #include "common/membw.h"
+#include "common/npy.h"
 #include "common/thread_pool.h"
 #include "cpu_moe/cpu_moe.h"
 #include "cpu_moe/internal/tuning.h"
 #include "cpu_moe/test_bank.h"
-#include "moe_cache/trace.h"
 
 namespace moe::cpu_moe {
 namespace {
@@ -463,15 +463,34 @@ void BM_CpuMoeSpeedup(benchmark::State& state, WeightFormat format, int num_expe
 std::string g_trace_path;
 constexpr int kTraceExperts = 128;  // Qwen3-30B-A3B
 
+// A routing trace: expert ids [tokens, layers, k], negative for padding.
+struct RoutingTrace {
+  int tokens = 0, layers = 0, k = 0;
+  std::vector<int32_t> ids;
+  const int32_t* Row(int token, int layer) const {
+    return ids.data() + (static_cast<size_t>(token) * layers + layer) * k;
+  }
+  int MaxId() const { return ids.empty() ? -1 : *std::max_element(ids.begin(), ids.end()); }
+};
+
 struct TraceRows {
-  moe_cache::Trace trace;                  // [tokens, layers, k], -1 for padding
+  RoutingTrace trace;
   std::vector<std::vector<int>> complete;  // per layer: tokens with no padded slot
 };
 
 absl::StatusOr<TraceRows> ReadTrace(const std::string& path) {
-  absl::StatusOr<moe_cache::Trace> trace = moe_cache::ReadNpyTrace(path);
-  if (!trace.ok()) return trace.status();
-  TraceRows t{*std::move(trace), {}};
+  absl::StatusOr<common::NpyArray> a = common::ReadNpy(path);
+  if (!a.ok()) return a.status();
+  if (a->dtype != common::NpyDtype::kInt32 || a->shape.size() != 3 || a->shape[0] > (1 << 30) ||
+      a->shape[1] > (1 << 20) || a->shape[2] > (1 << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": a trace is an integer array [tokens, layers, k]"));
+  }
+  TraceRows t;
+  t.trace.tokens = static_cast<int>(a->shape[0]);
+  t.trace.layers = static_cast<int>(a->shape[1]);
+  t.trace.k = static_cast<int>(a->shape[2]);
+  t.trace.ids = std::move(a->i32);
   t.complete.resize(t.trace.layers);
   for (int l = 0; l < t.trace.layers; ++l) {
     for (int tok = 0; tok < t.trace.tokens; ++tok) {

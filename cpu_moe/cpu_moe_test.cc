@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -729,6 +730,55 @@ TEST_F(CpuMoeTest, BadInputIsAnError) {
   bad.format = WeightFormat::kMxfp4;  // needs scales, has none
   EXPECT_EQ(Forward(bad, 1, 2, ids, w, x, absl::MakeSpan(y), Options(), pool_).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// No abort on input-sized work: a call whose scratch (it grows with tokens and routes) cannot be
+// allocated is ResourceExhausted, reads nothing (neither x nor the weights, which here are far
+// too short) and leaves y alone; the next call works as before.
+TEST_F(CpuMoeTest, ScratchBeyondMemoryIsResourceExhausted) {
+  // With overcommit "always" (1) Linux would hand out the terabytes below on paper; the default
+  // heuristic mode (0) and strict mode (2) refuse them.
+  if (std::FILE* f = std::fopen("/proc/sys/vm/overcommit_memory", "r")) {
+    const int mode = std::fgetc(f);
+    std::fclose(f);
+    if (mode == '1') GTEST_SKIP() << "vm.overcommit_memory=1 grants any allocation";
+  }
+  // 2^21 tokens x 8 routes of H = I = 16384: h, u and the per-route outputs take 1 TiB each.
+  constexpr int kT = 1 << 21, kTopK = 8, kDim = 16384;
+  static const uint16_t kNeverRead[64] = {};
+  ExpertBank bank;
+  bank.format = WeightFormat::kBf16;
+  bank.num_experts = 2;
+  bank.hidden = kDim;
+  bank.intermediate = kDim;
+  bank.gate_up_weights = kNeverRead;
+  bank.down_weights = kNeverRead;
+  std::vector<int32_t> ids(static_cast<size_t>(kT) * kTopK, 1);
+  ids[0] = -1;  // padding, as anywhere
+  std::vector<float> w(ids.size(), 0.125f);
+  const float x[1] = {0.0f};
+  float y[1] = {42.0f};
+  Options o;
+  o.onednn_min_tokens_per_expert = 0;
+  for (bool dedup : {true, false}) {
+    o.dedup = dedup;
+    const absl::Status s =
+        Forward(bank, kT, kTopK, ids, w, x, DType::kF32, y, DType::kF32, o, pool_);
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+    EXPECT_EQ(y[0], 42.0f);
+  }
+  // oneDNN's part of the call asks for [T, H] floats of its own first (128 GiB here).
+  o.onednn_min_tokens_per_expert = 1;
+  o.onednn_min_experts = 1;
+  const absl::Status s = Forward(bank, kT, kTopK, ids, w, x, DType::kF32, y, DType::kF32, o, pool_);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_EQ(y[0], 42.0f);
+
+  const HostBank hb = MakeRandomBank(WeightFormat::kBf16, 4, 64, 32, 1, false);
+  std::vector<int32_t> small_ids = {0, 3};
+  std::vector<float> small_w = {0.5f, 0.5f}, sx(64, 1.0f), sy(64, 0.0f);
+  EXPECT_TRUE(Forward(hb.bank, 1, 2, small_ids, small_w, sx, absl::MakeSpan(sy), Options(), pool_)
+                  .ok());
 }
 
 TEST_F(CpuMoeTest, PackPanelsRejectsWhatItCannotPack) {

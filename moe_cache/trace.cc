@@ -1,19 +1,15 @@
 #include "moe_cache/trace.h"
 
 #include <algorithm>
-#include <cstring>
 #include <fstream>
-#include <limits>
-#include <sstream>
 #include <utility>
 
-#include "absl/strings/ascii.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_split.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
-#include "absl/strings/strip.h"
+#include "common/npy.h"
+#include "common/status.h"
 
 namespace moe {
 namespace moe_cache {
@@ -26,30 +22,25 @@ absl::Status Bad(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("bad .npy trace: ", what));
 }
 
-// Finds the value text of 'key' in the header dict (up to the next top-level comma or brace).
-absl::StatusOr<std::string> HeaderValue(absl::string_view header, absl::string_view key) {
-  const std::string quoted1 = absl::StrCat("'", key, "'");
-  const std::string quoted2 = absl::StrCat("\"", key, "\"");
-  size_t pos = header.find(quoted1);
-  size_t len = quoted1.size();
-  if (pos == absl::string_view::npos) {
-    pos = header.find(quoted2);
-    len = quoted2.size();
+// A parsed .npy array as a trace: integer ids of rank 3 [tokens, layers, k]; any negative id
+// becomes -1.
+absl::StatusOr<Trace> TraceFromArray(const common::NpyArray& a) {
+  if (a.dtype != common::NpyDtype::kInt32) {
+    return Bad("dtype float32: a trace holds integer ids ('<i2', '<i4', '<i8' or '|i1')");
   }
-  if (pos == absl::string_view::npos) return Bad(absl::StrCat("header has no '", key, "'"));
-  size_t p = header.find(':', pos + len);
-  if (p == absl::string_view::npos) return Bad(absl::StrCat("no ':' after '", key, "'"));
-  ++p;
-  int depth = 0;
-  size_t end = p;
-  for (; end < header.size(); ++end) {
-    const char c = header[end];
-    if (c == '(') ++depth;
-    if (c == ')') --depth;
-    if (depth == 0 && (c == ',' || c == '}')) break;
-    if (depth < 0) break;
+  const std::string shape = absl::StrCat("(", absl::StrJoin(a.shape, ", "), ")");
+  if (a.shape.size() != 3) return Bad(absl::StrCat("shape ", shape, " is not 3-D [tokens, layers, k]"));
+  if (a.shape[0] > (1 << 30) || a.shape[1] > (1 << 20) || a.shape[2] > (1 << 20) ||
+      a.numel() > (int64_t{1} << 32)) {
+    return Bad(absl::StrCat("shape ", shape, " too large"));
   }
-  return std::string(absl::StripAsciiWhitespace(header.substr(p, end - p)));
+  Trace t;
+  t.tokens = static_cast<int32_t>(a.shape[0]);
+  t.layers = static_cast<int32_t>(a.shape[1]);
+  t.k = static_cast<int32_t>(a.shape[2]);
+  t.ids = a.i32;
+  for (int32_t& id : t.ids) id = id < 0 ? -1 : id;
+  return t;
 }
 
 }  // namespace
@@ -61,102 +52,14 @@ int32_t Trace::MaxId() const {
 }
 
 absl::StatusOr<Trace> ParseNpyTrace(const std::string& bytes) {
-  if (bytes.size() < 10 || std::memcmp(bytes.data(), kMagic, kMagicLen) != 0) {
-    return Bad("missing \\x93NUMPY magic (not a .npy file)");
-  }
-  const uint8_t major = static_cast<uint8_t>(bytes[6]);
-  size_t header_len = 0;
-  size_t header_start = 0;
-  if (major == 1) {
-    header_len = static_cast<uint8_t>(bytes[8]) | (static_cast<uint8_t>(bytes[9]) << 8);
-    header_start = 10;
-  } else if (major == 2 || major == 3) {
-    if (bytes.size() < 12) return Bad("truncated header length");
-    header_len = 0;
-    for (int i = 0; i < 4; ++i) header_len |= static_cast<size_t>(static_cast<uint8_t>(bytes[8 + i])) << (8 * i);
-    header_start = 12;
-  } else {
-    return Bad(absl::StrFormat("unsupported format version %d", major));
-  }
-  if (bytes.size() < header_start + header_len) return Bad("truncated header");
-  const absl::string_view header(bytes.data() + header_start, header_len);
-
-  auto descr_or = HeaderValue(header, "descr");
-  if (!descr_or.ok()) return descr_or.status();
-  std::string descr = *descr_or;
-  if (descr.size() < 2 || (descr.front() != '\'' && descr.front() != '"')) {
-    return Bad(absl::StrCat("unreadable descr ", descr));
-  }
-  descr = descr.substr(1, descr.size() - 2);
-  int width = 0;
-  if (descr == "<i2" || descr == "i2") width = 2;
-  else if (descr == "<i4" || descr == "i4") width = 4;
-  else if (descr == "<i8" || descr == "i8") width = 8;
-  else if (descr == "|i1" || descr == "i1") width = 1;
-  else {
-    return Bad(absl::StrCat("dtype ", descr,
-                            " not supported (need little-endian signed int: <i2, <i4 or <i8)"));
-  }
-  auto fortran_or = HeaderValue(header, "fortran_order");
-  if (!fortran_or.ok()) return fortran_or.status();
-  if (*fortran_or != "False") return Bad("fortran_order arrays are not supported (need C order)");
-  auto shape_or = HeaderValue(header, "shape");
-  if (!shape_or.ok()) return shape_or.status();
-  absl::string_view shape_text = *shape_or;
-  if (!absl::ConsumePrefix(&shape_text, "(") || !absl::ConsumeSuffix(&shape_text, ")")) {
-    return Bad(absl::StrCat("unreadable shape ", *shape_or));
-  }
-  std::vector<int64_t> dims;
-  for (absl::string_view part : absl::StrSplit(shape_text, ',', absl::SkipWhitespace())) {
-    int64_t d = 0;
-    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &d) || d < 0) {
-      return Bad(absl::StrCat("unreadable shape ", *shape_or));
-    }
-    dims.push_back(d);
-  }
-  if (dims.size() != 3) {
-    return Bad(absl::StrCat("shape ", *shape_or, " is not 3-D [tokens, layers, k]"));
-  }
-  if (dims[0] > (1 << 30) || dims[1] > (1 << 20) || dims[2] > (1 << 20) ||
-      dims[0] * dims[1] * dims[2] > (int64_t{1} << 32)) {
-    return Bad(absl::StrCat("shape ", *shape_or, " too large"));
-  }
-  const int64_t count = dims[0] * dims[1] * dims[2];
-  const size_t data_start = header_start + header_len;
-  const size_t want = static_cast<size_t>(count) * width;
-  if (bytes.size() - data_start != want) {
-    return Bad(absl::StrFormat("data is %d bytes, shape %s of %d-byte ints needs %d",
-                               bytes.size() - data_start, *shape_or, width, want));
-  }
-  Trace t;
-  t.tokens = static_cast<int32_t>(dims[0]);
-  t.layers = static_cast<int32_t>(dims[1]);
-  t.k = static_cast<int32_t>(dims[2]);
-  t.ids.resize(count);
-  const unsigned char* d = reinterpret_cast<const unsigned char*>(bytes.data() + data_start);
-  for (int64_t i = 0; i < count; ++i) {
-    uint64_t u = 0;
-    for (int b = 0; b < width; ++b) u |= static_cast<uint64_t>(d[i * width + b]) << (8 * b);
-    // Sign-extend from `width` bytes.
-    const int shift = 64 - 8 * width;
-    const int64_t v = static_cast<int64_t>(u << shift) >> shift;
-    if (v > std::numeric_limits<int32_t>::max()) {
-      return Bad(absl::StrFormat("id %d at flat index %d does not fit int32", v, i));
-    }
-    t.ids[i] = v < 0 ? -1 : static_cast<int32_t>(v);
-  }
-  return t;
+  ASSIGN_OR_RETURN(common::NpyArray a, common::ParseNpy(bytes, ".npy trace"));
+  return TraceFromArray(a);
 }
 
 absl::StatusOr<Trace> ReadNpyTrace(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open trace file ", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto t = ParseNpyTrace(ss.str());
-  if (!t.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", t.status().message()));
-  }
+  ASSIGN_OR_RETURN(common::NpyArray a, common::ReadNpy(path));
+  absl::StatusOr<Trace> t = TraceFromArray(a);
+  if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", t.status().message()));
   return t;
 }
 

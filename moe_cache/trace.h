@@ -1,7 +1,7 @@
 // Routing traces: the expert ids chosen per token and MoE layer, as an int array
-// [tokens, layers, k] with -1 (any negative id) for padding; read from and written to .npy files
-// (NumPy format 1.0-3.0, little-endian int16/int32/int64, C order) by a small self-contained
-// parser, and recorded step by step by TraceRecorder.
+// [tokens, layers, k] with -1 (any negative id) for padding; read from .npy files (NumPy format
+// 1.0-3.0, little-endian int8/int16/int32/int64, C order) through common/npy.h, written as
+// int16 or int32 .npy, and recorded step by step by TraceRecorder.
 //
 // Thread-safety: plain values; TraceRecorder is not thread-safe.
 #ifndef MOE_MOE_CACHE_TRACE_H_

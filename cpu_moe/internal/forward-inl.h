@@ -147,6 +147,22 @@ class CallScratch {
     return static_cast<T*>(Get(slot, n * sizeof(T)));
   }
 
+  // Grows every slot to at least bytes[slot] bytes (slots asking 0 are left alone), so that the
+  // Get calls of the same sizes that follow allocate nothing. false when memory runs out (the
+  // slots already grown keep their buffers; Trim frees the large ones).
+  bool Reserve(const size_t (&bytes)[kNumSlots]) {
+    for (int slot = 0; slot < kNumSlots; ++slot) {
+      common::AlignedBuffer<uint8_t>& b = buf_[slot];
+      if (bytes[slot] == 0 || b.size() >= bytes[slot]) continue;
+      b = common::AlignedBuffer<uint8_t>();  // the old buffer goes first: no peak of both
+      absl::StatusOr<common::AlignedBuffer<uint8_t>> nb =
+          common::AlignedBuffer<uint8_t>::Allocate(std::max<size_t>(64, bytes[slot]));
+      if (!nb.ok()) return false;
+      b = std::move(*nb);
+    }
+    return true;
+  }
+
   // Frees the buffers larger than kKeepBytes.
   void Trim() {
     for (common::AlignedBuffer<uint8_t>& b : buf_) {
@@ -219,10 +235,11 @@ void ForwardFormat(ForwardPlan& plan) {
   // activation sets below serve only AMX's packing.
   const bool f16 = kBf16Dot && F == common::WeightFormat::kFp8Block && plan.fp8_fp16;
 
+  const size_t global_stride = static_cast<size_t>(bank.global_scale_stride);
   const MatrixRef gate_up{bank.gate_up_weights, bank.gate_up_scales, bank.gate_up_global_scales,
-                          2 * I, H, prefetch, tun.block_lane};
+                          2 * I, H, prefetch, tun.block_lane, global_stride};
   const MatrixRef down{bank.down_weights, bank.down_scales, bank.down_global_scales, H, I,
-                       prefetch, tun.block_lane};
+                       prefetch, tun.block_lane, global_stride};
   // fp8's fp16 kernels for experts with few routes (ForwardPlan::few_routes_max): the same
   // matrices read with deeper prefetches.
   const PfDist prefetch_few{static_cast<size_t>(plan.few_routes_prefetch_l1),
@@ -252,6 +269,36 @@ void ForwardFormat(ForwardPlan& plan) {
     }
   }
   const size_t NT = active_tokens.size();
+  // AMX groups' activations, packed once per call for their tiles (AmxPackGroup): x for pass 1,
+  // and h for pass 2, which the pass-1 items write as they finish their rows (AmxPutBf16). Route
+  // columns: amx_col[g] to amx_col[g + 1] (0 wide for the other groups).
+  std::vector<size_t> amx_col(plan.groups.size() + 1, 0);
+  for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
+    const int n = plan.groups[gi].end - plan.groups[gi].begin;
+    amx_col[gi + 1] = amx_col[gi] + (amx_for(n) ? n : 0);
+  }
+  const size_t nch_h = (H + 63) / 64, nch_i = (I + 63) / 64;
+  const size_t nhb = (H + pass2_rows - 1) / pass2_rows;
+  // Every scratch buffer of the call grows with its tokens and routes: all of them are reserved
+  // here, before any work, so that a call whose scratch cannot be had reads and writes nothing
+  // and Forward returns ResourceExhausted (plan.scratch_bytes_missing).
+  {
+    size_t bytes[CallScratch::kNumSlots] = {};
+    bytes[CallScratch::kXActs] = ActSet<F, kBf16Dot>::Bytes(NT, H);
+    if (plan.x_dtype == DType::kBf16) bytes[CallScratch::kXFloat] = workers * H * sizeof(float);
+    if (f16 && plan.x_dtype == DType::kBf16) bytes[CallScratch::kX32] = NT * H * sizeof(float);
+    bytes[CallScratch::kAmxX] = amx_col.back() * 32 * nch_h * sizeof(uint32_t);
+    bytes[CallScratch::kAmxH] = amx_col.back() * 32 * nch_i * sizeof(uint32_t);
+    bytes[CallScratch::kH] = R * I * sizeof(float);
+    bytes[CallScratch::kU] = R * I * sizeof(float);
+    bytes[CallScratch::kHActs] = ActSet<F, kBf16Dot>::Bytes(R, I);
+    bytes[CallScratch::kPart] = R * H * sizeof(float);
+    bytes[CallScratch::kSync] = (plan.groups.size() + nhb) * sizeof(std::atomic<int>);
+    if (!scratch.Reserve(bytes)) {
+      for (size_t b : bytes) plan.scratch_bytes_missing += b;
+      return;
+    }
+  }
   ActSet<F, kBf16Dot> xacts(NT, H, tun.block_lane,
                             scratch.Get(CallScratch::kXActs, ActSet<F, kBf16Dot>::Bytes(NT, H)),
                             panels);
@@ -271,14 +318,6 @@ void ForwardFormat(ForwardPlan& plan) {
   [[maybe_unused]] auto x_row32 = [&](size_t t) -> const float* {
     return x32 == nullptr ? static_cast<const float*>(plan.x) + t * H : x32 + token_slot[t] * H;
   };
-  // AMX groups' activations, packed once per call for their tiles (AmxPackGroup): x for pass 1,
-  // and h for pass 2, which the pass-1 items write as they finish their rows (AmxPutBf16). Route
-  // columns: amx_col[g] to amx_col[g + 1] (0 wide for the other groups).
-  std::vector<size_t> amx_col(plan.groups.size() + 1, 0);
-  for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
-    const int n = plan.groups[gi].end - plan.groups[gi].begin;
-    amx_col[gi + 1] = amx_col[gi] + (amx_for(n) ? n : 0);
-  }
   // The fp16 path reads x itself (x_row32); its activation set only feeds AMX's packing.
   const bool need_xacts = !f16 || amx_col.back() > 0;
   auto prep_x_item = [&](size_t item, int worker) {
@@ -305,7 +344,6 @@ void ForwardFormat(ForwardPlan& plan) {
   // it. Otherwise it is a fork-join of its own.
   const bool fuse_x = overlap && amx_col.back() == 0;
   if (!fuse_x) pool.ParallelFor(nx, [&](uint64_t item, int worker) { prep_x_item(item, worker); });
-  const size_t nch_h = (H + 63) / 64, nch_i = (I + 63) / 64;
   // Uninitialized: every element is written before it is read (AmxPackGroup; AmxPutBf16 for
   // every column of h, AmxZeroTail for the rows of a short last chunk that hold none).
   [[maybe_unused]] uint32_t* const amx_bx =
@@ -492,7 +530,6 @@ void ForwardFormat(ForwardPlan& plan) {
   // every expert): there the item count tied the rows per item to H / workers, and short
   // per-expert streams ran pass 2 at 0.55-0.73 of DRAM on the GPU machine's host; with 128-row
   // blocks of one expert per item the host's T=64 steps ran 5-9% faster side by side.
-  const size_t nhb = (H + pass2_rows - 1) / pass2_rows;
   const size_t row_bytes2 = RowBytes(F, I);
   float* const part = scratch.Get<float>(CallScratch::kPart, R * H);
   auto pass2_item = [&](size_t item) {

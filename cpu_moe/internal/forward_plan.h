@@ -4,6 +4,7 @@
 #ifndef MOE_CPU_MOE_INTERNAL_FORWARD_PLAN_H_
 #define MOE_CPU_MOE_INTERNAL_FORWARD_PLAN_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -66,6 +67,11 @@ struct ForwardPlan {
   // Per token: routes [token_route_begin[t], token_route_begin[t+1]) (summed at the end of
   // pass 2).
   std::vector<int> token_route_begin;
+
+  // Set by the kernels when the call's scratch (sized from its tokens and routes) could not be
+  // allocated: the bytes asked for. Nothing was read or written; Forward returns
+  // ResourceExhausted.
+  size_t scratch_bytes_missing = 0;
 
   // Wall time of the phases, filled by the kernels (caller thread's clock): activation prep of x,
   // pass 1, activation prep of h, pass 2.

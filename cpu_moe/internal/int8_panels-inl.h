@@ -221,7 +221,7 @@ template <common::WeightFormat F>
 HWY_INLINE float PanelPost(const MatrixRef& m, size_t e) {
   if constexpr (F == common::WeightFormat::kQ4_0) return 1.0f;
   if constexpr (F == common::WeightFormat::kMxfp4) return 0.5f;
-  return 0.5f * m.globals[e];
+  return 0.5f * m.globals[e * m.global_stride];
 }
 
 // Prefetches the first m.prefetch.l1 bytes of panel `panel` of expert e (codes and scales).

@@ -132,6 +132,7 @@ struct MatrixRef {
   size_t cols;
   PfDist prefetch;  // how far ahead the row kernels prefetch; see above
   bool block_lane;  // quantized rows start in the block-lane layout (BlockLaneBytes)
+  size_t global_stride;  // floats between experts' global scales (ExpertBank::global_scale_stride)
 };
 
 }  // namespace HWY_NAMESPACE

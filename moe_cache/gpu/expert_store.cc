@@ -102,6 +102,39 @@ const uint8_t* ExpertStore::expert_bank(int global_expert, int b) const {
   return host_[b] + static_cast<uint64_t>(global_expert) * layout_.bank(b).pitch;
 }
 
+common::ExpertArray ExpertStore::LayerArray(int layer, int b) const {
+  return common::ExpertArray{expert_bank(layer * num_experts_, b), layout_.bank(b).pitch};
+}
+
+int ExpertStore::FindBank(std::string_view name) const {
+  for (int b = 0; b < layout_.num_banks(); ++b) {
+    if (layout_.bank(b).name == name) return b;
+  }
+  return -1;
+}
+
+common::ExpertLayerView ExpertStore::LayerView(int layer, common::WeightFormat format,
+                                               common::ExpertLayout expert_layout, int hidden,
+                                               int intermediate) const {
+  common::ExpertLayerView v;
+  v.format = format;
+  v.layout = expert_layout;
+  v.num_experts = num_experts_;
+  v.hidden = hidden;
+  v.intermediate = intermediate;
+  auto array = [&](std::string_view name) {
+    const int b = FindBank(name);
+    return b < 0 ? common::ExpertArray() : LayerArray(layer, b);
+  };
+  v.gate_up = array("gate_up");
+  v.down = array("down");
+  v.gate_up_scales = array("gate_up_scales");
+  v.down_scales = array("down_scales");
+  v.gate_up_global_scale = array("gate_up_global_scale");
+  v.down_global_scale = array("down_global_scale");
+  return v;
+}
+
 absl::Status ExpertStore::WriteBank(int layer, int expert, int bank,
                                     absl::Span<const uint8_t> bytes) {
   if (layer < 0 || layer >= num_layers_ || expert < 0 || expert >= num_experts_) {

@@ -11,10 +11,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/expert_view.h"
+#include "common/formats.h"
 #include "moe_cache/gpu/bank_layout.h"
 
 namespace moe::moe_cache {
@@ -62,6 +65,17 @@ class ExpertStore final : public ExpertWriter {
 
   // Host address of one expert's row in bank `b` (global id = layer * num_experts + expert).
   const uint8_t* expert_bank(int global_expert, int b) const;
+  // Bank `b` of layer `layer` as a per-expert array (pitch: the bank's padded row).
+  common::ExpertArray LayerArray(int layer, int b) const;
+  // Index of the bank named `name` in the layout, or -1.
+  int FindBank(std::string_view name) const;
+  // Layer `layer`'s experts as the view a compute component reads in place, from the banks named
+  // "gate_up", "down", "gate_up_scales", "down_scales", "gate_up_global_scale" and
+  // "down_global_scale" (absent ones stay null). The format, layout and shape are the writer's,
+  // which the store does not interpret. The view lives as long as the store.
+  common::ExpertLayerView LayerView(int layer, common::WeightFormat format,
+                                    common::ExpertLayout expert_layout, int hidden,
+                                    int intermediate) const;
   // Base of bank `b` for host code, and its device-side alias for kernels (nullptr unless
   // pinned-mapped).
   const uint8_t* bank_host(int b) const { return host_[b]; }
