@@ -474,9 +474,6 @@ class ExpertConverter {
     if (f_ == WeightFormat::kNvfp4) {
       RETURN_IF_ERROR(Write(job, banks_.gate_up_global, &gu_global, sizeof(float)));
       RETURN_IF_ERROR(Write(job, banks_.down_global, &dn_global, sizeof(float)));
-      // Distinct (layer, expert) cells: no two jobs write the same element.
-      weights_->gate_up_global_scales[job.moe_layer][job.expert] = gu_global;
-      weights_->down_global_scales[job.moe_layer][job.expert] = dn_global;
     }
     return absl::OkStatus();
   }
@@ -685,10 +682,6 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
           num_moe, std::vector<float>(E * CeilDiv(2 * I, kFp8Block) * CeilDiv(H, kFp8Block)));
       w->down_scales.assign(num_moe,
                             std::vector<float>(E * CeilDiv(H, kFp8Block) * CeilDiv(I, kFp8Block)));
-    }
-    if (ef == WeightFormat::kNvfp4) {
-      w->gate_up_global_scales.assign(num_moe, std::vector<float>(E, 1.0f));
-      w->down_global_scales.assign(num_moe, std::vector<float>(E, 1.0f));
     }
   }
 

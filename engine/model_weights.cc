@@ -1,6 +1,7 @@
 #include "engine/model_weights.h"
 
-#include <string_view>
+#include "absl/status/statusor.h"
+#include "common/expert_view.h"
 
 namespace moe::engine {
 
@@ -21,50 +22,33 @@ float Tensor::At(int64_t r, int64_t c) const {
   return dtype == DType::kF32 ? f32()[i] : common::Bf16ToFloat(bf16()[i]);
 }
 
-namespace {
-// Index of the bank called `name` in the store's layout, or -1.
-int FindBank(const moe_cache::BankLayout& layout, std::string_view name) {
-  for (int b = 0; b < layout.num_banks(); ++b) {
-    if (layout.bank(b).name == name) return b;
-  }
-  return -1;
-}
-}  // namespace
-
 cpu_moe::ExpertBank ModelWeights::ExpertBankFor(int moe_index) const {
-  cpu_moe::ExpertBank bank;
-  if (experts == nullptr || moe_index < 0 || moe_index >= experts->num_layers()) return bank;
-  const moe_cache::BankLayout& layout = experts->layout();
-  const int first = moe_index * experts->num_experts();
-  auto base = [&](std::string_view name) -> const void* {
-    const int b = FindBank(layout, name);
-    return b < 0 ? nullptr : experts->expert_bank(first, b);
-  };
-  bank.format = expert_format;
-  bank.num_experts = experts->num_experts();
-  bank.hidden = config.hidden_size;
-  bank.intermediate = config.moe_intermediate_size;
-  bank.gate_up_weights = base("gate_up");
-  bank.down_weights = base("down");
-  bank.gate_up_scales = base("gate_up_scales");
-  bank.down_scales = base("down_scales");
+  if (experts == nullptr || moe_index < 0 || moe_index >= experts->num_layers()) return {};
+  const bool panels = expert_format != common::WeightFormat::kBf16 &&
+                      expert_format != common::WeightFormat::kFp8Block;
+  common::ExpertLayerView view = experts->LayerView(
+      moe_index, expert_format,
+      panels ? common::ExpertLayout::kPanels : common::ExpertLayout::kRowMajor,
+      config.hidden_size, config.moe_intermediate_size);
+  // fp8_block scales of shapes whose per-expert scale rows are not whole 16-byte rows: the
+  // store pads them, so cpu_moe reads the loader's dense copies of the scales instead.
   if (expert_format == common::WeightFormat::kFp8Block &&
       moe_index < static_cast<int>(gate_up_scales.size()) &&
       moe_index < static_cast<int>(down_scales.size())) {
-    bank.gate_up_scales = gate_up_scales[moe_index].data();
-    bank.down_scales = down_scales[moe_index].data();
+    cpu_moe::ExpertBank b;
+    b.format = expert_format;
+    b.num_experts = view.num_experts;
+    b.hidden = view.hidden;
+    b.intermediate = view.intermediate;
+    b.gate_up_weights = view.gate_up.data;
+    b.down_weights = view.down.data;
+    b.gate_up_scales = gate_up_scales[moe_index].data();
+    b.down_scales = down_scales[moe_index].data();
+    return b;
   }
-  if (expert_format == common::WeightFormat::kNvfp4 &&
-      moe_index < static_cast<int>(gate_up_global_scales.size()) &&
-      moe_index < static_cast<int>(down_global_scales.size())) {
-    bank.gate_up_global_scales = gate_up_global_scales[moe_index].data();
-    bank.down_global_scales = down_global_scales[moe_index].data();
-  }
-  bank.layout = expert_format == common::WeightFormat::kBf16 ||
-                        expert_format == common::WeightFormat::kFp8Block
-                    ? cpu_moe::Layout::kRowMajor
-                    : cpu_moe::Layout::kPanels;
-  return bank;
+  // Everything else is read in place.
+  absl::StatusOr<cpu_moe::ExpertBank> bank = cpu_moe::BankFromView(view);
+  return bank.ok() ? *bank : cpu_moe::ExpertBank();
 }
 
 }  // namespace moe::engine

@@ -1,7 +1,8 @@
 // ModelWeights: everything a forward pass reads, as LoadModel (loader.h) leaves it: dense
 // weights as owned row-major tensors (bf16, or f32 where asked), norms and biases in f32, and
 // every routed expert of every MoE layer in one moe_cache::ExpertStore in the chosen expert
-// format, laid out so that one MoE layer's experts form a cpu_moe::ExpertBank in place.
+// format, laid out so that one MoE layer's experts form a cpu_moe::ExpertBank in place (through
+// the store's common::ExpertLayerView).
 //
 // Ownership: ModelWeights owns all of it (tensors and store). Banks from ExpertBankFor() point
 // into the store and live as long as the ModelWeights. Read-only after loading, so concurrent
@@ -65,18 +66,16 @@ struct ModelWeights {
   // and nvfp4 hold panels (cpu_moe::Layout::kPanels, scales inside) in "gate_up", "down", and
   // nvfp4 adds "gate_up_global_scale", "down_global_scale" (one float per expert).
   std::unique_ptr<moe_cache::ExpertStore> experts;
-  // nvfp4 only: per MoE layer, the experts' global scales contiguous ([E] floats each), as
-  // cpu_moe::ExpertBank wants them (the store's rows are padded to 16 bytes).
-  std::vector<std::vector<float>> gate_up_global_scales, down_global_scales;
   // fp8_block only, and only for shapes whose per-expert scale rows are not whole 16-byte rows
   // (the store pads them; real Qwen shapes never need this): per MoE layer, the experts' block
   // scales contiguous ([E, ceil(2I/128), ceil(H/128)] and [E, ceil(H/128), ceil(I/128)] floats),
   // which ExpertBankFor hands to cpu_moe instead of the store's padded rows.
   std::vector<std::vector<float>> gate_up_scales, down_scales;
 
-  // The cpu_moe bank of MoE layer `moe_index`, pointing straight into the store's memory (no
-  // copy): gate_up rows are [gate; up] stacked ([2*I, H]) as cpu_moe expects, down [H, I];
-  // panels for the 4-bit formats. moe_index must be in [0, experts->num_layers()).
+  // The cpu_moe bank of MoE layer `moe_index`: the store's view of that layer
+  // (ExpertStore::LayerView) read in place by cpu_moe::BankFromView, no copy: gate_up rows are
+  // [gate; up] stacked ([2*I, H]), down [H, I]; panels for the 4-bit formats. moe_index must be
+  // in [0, experts->num_layers()).
   cpu_moe::ExpertBank ExpertBankFor(int moe_index) const;
 };
 
