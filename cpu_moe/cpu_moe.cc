@@ -207,9 +207,10 @@ struct OnednnPart {
 // into part->y and leaves the other routes in `plan`, redirected to accumulate into part->y.
 // Does nothing (part->experts == 0) when no expert qualifies.
 absl::Status RunOnednnPart(const ExpertBank& bank, const Options& options,
-                           internal::ForwardPlan& plan, OnednnPart* part) {
+                           internal::ForwardPlan& plan, OnednnExperts* onednn, OnednnPart* part) {
   const int min_tokens = options.onednn_min_tokens_per_expert;
-  if (bank.format != WeightFormat::kBf16 || min_tokens <= 0 || plan.route_token.empty()) {
+  if (onednn == nullptr || bank.format != WeightFormat::kBf16 || min_tokens <= 0 ||
+      plan.route_token.empty()) {
     return absl::OkStatus();
   }
   const int E = bank.num_experts;
@@ -277,7 +278,7 @@ absl::Status RunOnednnPart(const ExpertBank& bank, const Options& options,
   w.route_token = route_token;
   w.route_weight = route_weight;
   w.y = part->y.data();
-  RETURN_IF_ERROR(OnednnExperts::Shared().Run(w));
+  RETURN_IF_ERROR(onednn->Run(w));
 
   part->experts = static_cast<int>(experts.size());
   part->routes = n;
@@ -629,7 +630,7 @@ absl::Status internal::Forward(const ExpertBank& bank, int num_tokens, int top_k
                                absl::Span<const float> weights, const void* x, DType x_dtype,
                                void* y, DType y_dtype, const Options& options,
                                const Tuning& tuning, common::ThreadPool& pool,
-                               ForwardStats* stats) {
+                               ForwardStats* stats, OnednnExperts* onednn_experts) {
   RETURN_IF_ERROR(ValidateBank(bank));
   ASSIGN_OR_RETURN(const int64_t target, ChooseTarget(options.max_target));
   const bool bf16_dot_cpu = options.bf16_dot_product && target == HWY_AVX3_DL && CpuHasAvx512Bf16();
@@ -699,7 +700,7 @@ absl::Status internal::Forward(const ExpertBank& bank, int num_tokens, int top_k
   }
   // Prefill: experts with many routes go through oneDNN first; the rest stay in `plan`.
   OnednnPart onednn;
-  RETURN_IF_ERROR(RunOnednnPart(bank, options, plan, &onednn));
+  RETURN_IF_ERROR(RunOnednnPart(bank, options, plan, onednn_experts, &onednn));
   const int num_routes = static_cast<int>(plan.route_token.size());
 
   // Counting sort of routes by expert (stable: token order within an expert).
@@ -781,7 +782,8 @@ absl::Status internal::Forward(const ExpertBank& bank, int num_tokens, int top_k
                                absl::Span<const int32_t> expert_ids,
                                absl::Span<const float> weights, absl::Span<const float> x,
                                absl::Span<float> y, const Options& options, const Tuning& tuning,
-                               common::ThreadPool& pool, ForwardStats* stats) {
+                               common::ThreadPool& pool, ForwardStats* stats,
+                               OnednnExperts* onednn) {
   const size_t n = static_cast<size_t>(std::max(0, num_tokens)) * std::max(0, bank.hidden);
   if (x.size() != n || y.size() != n) {
     return absl::InvalidArgumentError(absl::StrCat("x (", x.size(), ") and y (", y.size(),
@@ -789,23 +791,23 @@ absl::Status internal::Forward(const ExpertBank& bank, int num_tokens, int top_k
                                                    " floats"));
   }
   return Forward(bank, num_tokens, top_k, expert_ids, weights, x.data(), DType::kF32, y.data(),
-                 DType::kF32, options, tuning, pool, stats);
+                 DType::kF32, options, tuning, pool, stats, onednn);
 }
 
 absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
                      absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
                      const void* x, DType x_dtype, void* y, DType y_dtype, const Options& options,
-                     common::ThreadPool& pool, ForwardStats* stats) {
+                     common::ThreadPool& pool, ForwardStats* stats, OnednnExperts* onednn) {
   return internal::Forward(bank, num_tokens, top_k, expert_ids, weights, x, x_dtype, y, y_dtype,
-                           options, internal::Tuning(), pool, stats);
+                           options, internal::Tuning(), pool, stats, onednn);
 }
 
 absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
                      absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
                      absl::Span<const float> x, absl::Span<float> y, const Options& options,
-                     common::ThreadPool& pool, ForwardStats* stats) {
+                     common::ThreadPool& pool, ForwardStats* stats, OnednnExperts* onednn) {
   return internal::Forward(bank, num_tokens, top_k, expert_ids, weights, x, y, options,
-                           internal::Tuning(), pool, stats);
+                           internal::Tuning(), pool, stats, onednn);
 }
 
 }  // namespace moe::cpu_moe

@@ -34,6 +34,8 @@ namespace moe::cpu_moe {
 
 using common::WeightFormat;
 
+class OnednnExperts;  // onednn_experts.h
+
 // One layer's routed experts in one weight format. Views only: the caller owns the memory, which
 // must outlive every Forward call that uses it. Matrices are row-major with the contraction
 // dimension last (rows of gate_up have H elements, rows of down have I elements).
@@ -118,8 +120,8 @@ struct Options {
   // best target the CPU supports. A cap naming a supported target runs exactly that target; an
   // unknown or unsupported one is InvalidArgument.
   std::string max_target;
-  // Prefill: experts with at least this many routes in one call (tokens per expert) run as
-  // grouped GEMMs through oneDNN matmul (bf16, AMX where the CPU has it; onednn_experts.h), the
+  // Prefill (with an OnednnExperts passed to Forward): experts with at least this many routes in
+  // one call (tokens per expert) run as grouped GEMMs through oneDNN matmul (bf16, AMX where the CPU has it; onednn_experts.h), the
   // rest through the GEMV kernels. bf16 banks only; 0 turns oneDNN off. The default is the
   // crossover measured by onednn_bench. oneDNN rounds the activations to bf16 and splits its work
   // by the batch, so turn it off where results must not depend on the rest of the batch.
@@ -188,16 +190,21 @@ struct ForwardStats {
 // when the call's scratch (it grows with num_tokens * top_k: h and the per-route outputs take
 // routes * (2I + H) floats) cannot be allocated, with y untouched; the oneDNN part's errors pass
 // through. Runs with the default tuning (internal::Tuning()).
+// `onednn`: the oneDNN engine and primitive cache of the prefill path (onednn_experts.h), owned
+// by the caller like the pool and shared by its calls; nullptr: no oneDNN, every expert through
+// the GEMV kernels (as with Options::onednn_min_tokens_per_expert = 0).
 absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
                      absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
                      const void* x, DType x_dtype, void* y, DType y_dtype, const Options& options,
-                     common::ThreadPool& pool, ForwardStats* stats = nullptr);
+                     common::ThreadPool& pool, ForwardStats* stats = nullptr,
+                     OnednnExperts* onednn = nullptr);
 
 // Convenience overload for fp32 x and y.
 absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
                      absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
                      absl::Span<const float> x, absl::Span<float> y, const Options& options,
-                     common::ThreadPool& pool, ForwardStats* stats = nullptr);
+                     common::ThreadPool& pool, ForwardStats* stats = nullptr,
+                     OnednnExperts* onednn = nullptr);
 
 // The bank of one layer's experts as a holder such as moe_cache's ExpertStore hands them out
 // (common/expert_view.h), read in place: no copy. The codes and scales of consecutive experts

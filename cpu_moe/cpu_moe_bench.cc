@@ -58,6 +58,7 @@
 #include "common/npy.h"
 #include "common/thread_pool.h"
 #include "cpu_moe/cpu_moe.h"
+#include "cpu_moe/onednn_experts.h"
 #include "cpu_moe/internal/tuning.h"
 #include "cpu_moe/test_bank.h"
 
@@ -81,6 +82,12 @@ common::ThreadPool& Pool() {
   static common::ThreadPool* pool =
       new common::ThreadPool(g_threads > 0 ? g_threads : common::PhysicalCoreCount());
   return *pool;
+}
+
+// The oneDNN engine of the prefill path, like the pool one per process of this benchmark.
+OnednnExperts& Onednn() {
+  static OnednnExperts* onednn = new OnednnExperts();
+  return *onednn;
 }
 
 // DRAM read bandwidth now (median of --probe_rounds rounds over a buffer 4x the LLC, at least
@@ -330,7 +337,7 @@ void BM_CpuMoe(benchmark::State& state, WeightFormat format, int num_experts, in
     const auto t0 = std::chrono::steady_clock::now();
     const absl::Status st =
         internal::Forward(bank, T, kTopK, ids[s], in.w, in.x, absl::MakeSpan(in.y), opt, tuning,
-                          Pool(), &fs);
+                          Pool(), &fs, &Onednn());
     const auto t1 = std::chrono::steady_clock::now();
     phase[0] += fs.prep_x_seconds;
     phase[1] += fs.pass1_seconds;
@@ -418,7 +425,7 @@ void SpeedupCase(benchmark::State& state, WeightFormat format, int num_experts, 
       const auto t0 = std::chrono::steady_clock::now();
       const absl::Status st =
           internal::Forward(bank, T, top_k, routings.ids[s], in.w, in.x, absl::MakeSpan(in.y),
-                            opt, tuning, Pool());
+                            opt, tuning, Pool(), nullptr, &Onednn());
       const auto t1 = std::chrono::steady_clock::now();
       if (!st.ok()) {
         state.SkipWithError(st.ToString().c_str());
@@ -612,7 +619,7 @@ void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int routes) {
   double p1 = 0.0, p2 = 0.0, prep = 0.0;
   for (auto _ : state) {
     const absl::Status st = internal::Forward(bank, T, kTopK, ids, w, x, absl::MakeSpan(y), opt,
-                                              tuning, Pool(), &fs);
+                                              tuning, Pool(), &fs, &Onednn());
     if (!st.ok()) {
       state.SkipWithError(st.ToString().c_str());
       return;
@@ -811,7 +818,7 @@ int RunAb() {
         const auto t0 = std::chrono::steady_clock::now();
         const absl::Status st =
             internal::Forward(bank, T, top_k, routings.ids[r], in.w, in.x, absl::MakeSpan(in.y),
-                              opt, tuning, Pool(), &fs);
+                              opt, tuning, Pool(), &fs, &Onednn());
         const auto t1 = std::chrono::steady_clock::now();
         if (!st.ok()) {
           std::fprintf(stderr, "%s: %s\n", v.name.c_str(), st.ToString().c_str());

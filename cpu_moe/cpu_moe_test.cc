@@ -51,6 +51,7 @@
 #include "common/thread_pool.h"
 #include "cpu_moe/cpu_moe.h"
 #include "cpu_moe/internal/tuning.h"
+#include "cpu_moe/onednn_experts.h"
 #include "cpu_moe/test_bank.h"
 #include "gtest/gtest.h"
 
@@ -770,7 +771,9 @@ TEST_F(CpuMoeTest, ScratchBeyondMemoryIsResourceExhausted) {
   // oneDNN's part of the call asks for [T, H] floats of its own first (128 GiB here).
   o.onednn_min_tokens_per_expert = 1;
   o.onednn_min_experts = 1;
-  const absl::Status s = Forward(bank, kT, kTopK, ids, w, x, DType::kF32, y, DType::kF32, o, pool_);
+  OnednnExperts onednn;
+  const absl::Status s =
+      Forward(bank, kT, kTopK, ids, w, x, DType::kF32, y, DType::kF32, o, pool_, nullptr, &onednn);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   EXPECT_EQ(y[0], 42.0f);
 

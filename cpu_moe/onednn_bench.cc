@@ -46,6 +46,12 @@ common::ThreadPool& Pool() {
   return *pool;
 }
 
+// The oneDNN engine of the prefill path, like the pool one per process of this benchmark.
+OnednnExperts& Onednn() {
+  static OnednnExperts* onednn = new OnednnExperts();
+  return *onednn;
+}
+
 const testing::HostBank& Bank() {
   static const testing::HostBank* bank = new testing::HostBank(
       testing::MakeRandomBank(common::WeightFormat::kBf16, kE, kH, kI, 7, false));
@@ -136,7 +142,7 @@ void RunCase(benchmark::State& state, int path, int T, const std::vector<Routing
     const size_t i = step++ % routings.size();
     if (path == kGemv || path == kOnednn) {
       const absl::Status s = Forward(hb.bank, T, kTopK, routings[i].ids, routings[i].weights, x,
-                                     absl::MakeSpan(y), o, Pool(), &st);
+                                     absl::MakeSpan(y), o, Pool(), &st, &Onednn());
       if (!s.ok()) state.SkipWithError(std::string(s.message()).c_str());
       unique_sum += st.unique_experts;
     } else {
@@ -153,7 +159,7 @@ void RunCase(benchmark::State& state, int path, int T, const std::vector<Routing
       w.y = y.data();
       w.threading = path == kOnednnSeq ? OnednnThreading::kExpertsSequential
                                        : OnednnThreading::kExpertsParallel;
-      const absl::Status s = OnednnExperts::Shared().Run(w);
+      const absl::Status s = Onednn().Run(w);
       if (!s.ok()) state.SkipWithError(std::string(s.message()).c_str());
       unique_sum += grouped[i].experts.size();
     }

@@ -192,11 +192,6 @@ struct OnednnExperts::Impl {
 OnednnExperts::OnednnExperts() : impl_(std::make_unique<Impl>()) {}
 OnednnExperts::~OnednnExperts() = default;
 
-OnednnExperts& OnednnExperts::Shared() {
-  static OnednnExperts* shared = new OnednnExperts();
-  return *shared;
-}
-
 int OnednnExperts::PaddedRows(int m) const { return m <= 16 ? m : (m + 15) / 16 * 16; }
 
 size_t OnednnExperts::num_primitives() const {

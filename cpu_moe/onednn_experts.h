@@ -71,17 +71,17 @@ struct OnednnExpertsWork {
 // (N = I) applies swish (after a clip at `limit` for swigluoai), the up GEMM (N = I) applies the
 // clip and +1 for swigluoai and then multiplies by the gate result, writing bf16.
 //
-// Thread-safe: concurrent Run calls share the cache (under a lock) and each uses its own stream
-// and scratchpad.
+// Owned by the caller and passed to Forward like the thread pool (no process-wide instance):
+// an engine keeps one for its lifetime, so primitives are created once per shape. Thread-safe:
+// concurrent Run calls share the cache (under a lock) and each uses its own stream and
+// scratchpad. oneDNN's OpenMP threads are bounded by OMP_NUM_THREADS and their spinning by
+// OMP_WAIT_POLICY, as for any libgomp program.
 class OnednnExperts {
  public:
   OnednnExperts();
   ~OnednnExperts();
   OnednnExperts(const OnednnExperts&) = delete;
   OnednnExperts& operator=(const OnednnExperts&) = delete;
-
-  // The process-wide instance Forward uses.
-  static OnednnExperts& Shared();
 
   absl::Status Run(const OnednnExpertsWork& work);
 

@@ -92,6 +92,7 @@ class OnednnExpertsTest : public ::testing::Test {
  protected:
   OnednnExpertsTest() : pool_(2) {}
   common::ThreadPool pool_;
+  OnednnExperts onednn_;
 };
 
 TEST_F(OnednnExpertsTest, ReportsIsa) {
@@ -131,7 +132,7 @@ TEST_F(OnednnExpertsTest, MatchesReferenceAllAndMixed) {
         std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
         ForwardStats st;
         ASSERT_TRUE(
-            Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st)
+            Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st, &onednn_)
                 .ok());
         const std::string what = absl::StrCat("T=", T, " act=", static_cast<int>(act),
                                               " threshold=", thr);
@@ -162,7 +163,7 @@ TEST_F(OnednnExpertsTest, Fp32InputBf16IoAndAccumulate) {
   ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, o, false, &ref, &scale, &flip);
   std::vector<float> y(x.size());
   ForwardStats st;
-  ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st)
+  ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st, &onednn_)
                   .ok());
   EXPECT_EQ(st.onednn_experts, kE);
   EXPECT_LE(RelFrobenius(y, ref), 1e-2);
@@ -171,7 +172,7 @@ TEST_F(OnednnExpertsTest, Fp32InputBf16IoAndAccumulate) {
   std::vector<float> acc(x.size(), 1.0f);
   o.accumulate = true;
   ASSERT_TRUE(
-      Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(acc), o, pool_).ok());
+      Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(acc), o, pool_, nullptr, &onednn_).ok());
   for (size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(acc[i], 1.0f + y[i], 1e-5f) << i;
 
   // bf16 x and y: one extra bf16 rounding of y (relative 2^-8).
@@ -179,7 +180,7 @@ TEST_F(OnednnExpertsTest, Fp32InputBf16IoAndAccumulate) {
   std::vector<uint16_t> xb(x.size()), yb(x.size());
   for (size_t i = 0; i < x.size(); ++i) xb[i] = common::FloatToBf16(x[i]);
   ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, xb.data(), DType::kBf16, yb.data(),
-                      DType::kBf16, o, pool_).ok());
+                      DType::kBf16, o, pool_, nullptr, &onednn_).ok());
   for (size_t i = 0; i < x.size(); ++i) {
     // x is rounded to bf16 on both paths, so y (fp32 path) and yb differ only by yb's rounding.
     EXPECT_NEAR(common::Bf16ToFloat(yb[i]), y[i], std::ldexp(std::fabs(y[i]), -8) + 1e-6) << i;
@@ -209,7 +210,7 @@ TEST_F(OnednnExpertsTest, PaddingIsInert) {
     o.onednn_min_experts = 1;
     std::vector<float> y(x.size(), 123.0f);
     ForwardStats st;
-    ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st)
+    ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st, &onednn_)
                     .ok());
     EXPECT_GT(st.onednn_experts, 0);
     EXPECT_EQ(st.routes, T * kTopK - 2 * kTopK - 2);
@@ -249,11 +250,11 @@ TEST_F(OnednnExpertsTest, ThresholdOffIsGemvPath) {
   on.onednn_min_tokens_per_expert = 1;
   on.onednn_min_experts = 1;
   ForwardStats s0, s1;
-  ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y0), off, pool_, &s0)
+  ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y0), off, pool_, &s0, &onednn_)
                   .ok());
   ASSERT_TRUE(
-      Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y1), high, pool_, &s1).ok());
-  ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y2), on, pool_).ok());
+      Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y1), high, pool_, &s1, &onednn_).ok());
+  ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y2), on, pool_, nullptr, &onednn_).ok());
   EXPECT_EQ(s0.onednn_experts, 0);
   EXPECT_EQ(s1.onednn_experts, 0);
   EXPECT_EQ(y0, y1);
@@ -261,7 +262,7 @@ TEST_F(OnednnExpertsTest, ThresholdOffIsGemvPath) {
   // Non-bf16 banks never use oneDNN.
   const HostBank q = MakeRandomBank(WeightFormat::kQ4_0, kE, kH, kI, 49, false);
   ForwardStats sq;
-  ASSERT_TRUE(Forward(q.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y0), on, pool_, &sq)
+  ASSERT_TRUE(Forward(q.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y0), on, pool_, &sq, &onednn_)
                   .ok());
   EXPECT_EQ(sq.onednn_experts, 0);
 }
@@ -346,7 +347,7 @@ TEST_F(OnednnExpertsTest, BrokenVariantsFail) {
   o.onednn_min_experts = 1;
   ASSERT_GE(counts[top], o.onednn_min_tokens_per_expert);
   std::vector<float> y(x.size());
-  ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_).ok());
+  ASSERT_TRUE(Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, nullptr, &onednn_).ok());
   EXPECT_LE(WorstRatio(y, ref, scale), 1.0);
 
   // One dropped route of the busiest (oneDNN) expert.
@@ -358,7 +359,7 @@ TEST_F(OnednnExpertsTest, BrokenVariantsFail) {
     }
   }
   ASSERT_TRUE(Forward(hb.bank, T, kTopK, dropped.ids, dropped.weights, x, absl::MakeSpan(y), o,
-                      pool_).ok());
+                      pool_, nullptr, &onednn_).ok());
   EXPECT_GT(WorstRatio(y, ref, scale), 5.0);
 
   // The whole busiest expert dropped.
@@ -366,7 +367,7 @@ TEST_F(OnednnExpertsTest, BrokenVariantsFail) {
     if (e == top) e = -1;
   }
   ASSERT_TRUE(Forward(hb.bank, T, kTopK, dropped.ids, dropped.weights, x, absl::MakeSpan(y), o,
-                      pool_).ok());
+                      pool_, nullptr, &onednn_).ok());
   EXPECT_GT(WorstRatio(y, ref, scale), 10.0);
 
   // Gate and up halves swapped in the bank the kernels see (the reference keeps the original).
@@ -380,7 +381,7 @@ TEST_F(OnednnExpertsTest, BrokenVariantsFail) {
   bad.gate_up_weights = swapped.data();
   o.onednn_min_tokens_per_expert = 1;
   o.onednn_min_experts = 1;
-  ASSERT_TRUE(Forward(bad, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_).ok());
+  ASSERT_TRUE(Forward(bad, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, nullptr, &onednn_).ok());
   EXPECT_GT(WorstRatio(y, ref, scale), 10.0);
 }
 

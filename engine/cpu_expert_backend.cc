@@ -39,7 +39,7 @@ absl::Status CpuExpertBackend::Forward(int moe_layer, int num_tokens, int top_k,
   absl::Status s =
       cpu_moe::internal::Forward(bank, num_tokens, top_k, ids, weights, absl::MakeConstSpan(x, n),
                                  absl::MakeSpan(y, n), options_.moe, options_.tuning, *pool_,
-                                 &stats);
+                                 &stats, &onednn_);
   total_routes_ += stats.routes;
   total_unique_ += stats.unique_experts;
   return s;

@@ -8,8 +8,9 @@
 // AMX is a cpu_moe tuning knob (cpu_moe/internal/tuning.h), not a public option, so the backend
 // carries cpu_moe's internal tuning beside its options.
 //
-// Owns nothing but its options; the banks' memory and the pool must outlive it. Forward is
-// called by one thread at a time.
+// Owns its options and the oneDNN engine of cpu_moe's prefill path (cpu_moe::OnednnExperts,
+// passed to every cpu_moe::Forward like the pool); the banks' memory and the pool must outlive
+// it. Forward is called by one thread at a time.
 #ifndef MOE_ENGINE_CPU_EXPERT_BACKEND_H_
 #define MOE_ENGINE_CPU_EXPERT_BACKEND_H_
 
@@ -19,6 +20,7 @@
 #include "common/thread_pool.h"
 #include "cpu_moe/cpu_moe.h"
 #include "cpu_moe/internal/tuning.h"
+#include "cpu_moe/onednn_experts.h"
 #include "engine/expert_backend.h"
 
 namespace moe::engine {
@@ -51,6 +53,7 @@ class CpuExpertBackend final : public ExpertBackend {
   std::vector<cpu_moe::ExpertBank> banks_;
   Options options_;
   common::ThreadPool* pool_;
+  cpu_moe::OnednnExperts onednn_;
   uint64_t total_routes_ = 0, total_unique_ = 0;
 };
 

@@ -106,14 +106,14 @@ absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
                      absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
                      const void* x, DType x_dtype, void* y, DType y_dtype, const Options& options,
                      const Tuning& tuning, common::ThreadPool& pool,
-                     ForwardStats* stats = nullptr);
+                     ForwardStats* stats = nullptr, OnednnExperts* onednn = nullptr);
 
 // fp32 x [T, H] and y [T, H].
 absl::Status Forward(const ExpertBank& bank, int num_tokens, int top_k,
                      absl::Span<const int32_t> expert_ids, absl::Span<const float> weights,
                      absl::Span<const float> x, absl::Span<float> y, const Options& options,
                      const Tuning& tuning, common::ThreadPool& pool,
-                     ForwardStats* stats = nullptr);
+                     ForwardStats* stats = nullptr, OnednnExperts* onednn = nullptr);
 
 }  // namespace moe::cpu_moe::internal
 
