@@ -50,8 +50,8 @@ namespace hn = hwy::HWY_NAMESPACE;
 // AVX512-FP16 has) give each code's fp16 high byte (s 0 e3 e2 e1 e0 m2 m1) and low byte
 // (m0 << 7), and two interleaves make the words. (An interleave with zero, an arithmetic shift
 // and an AND per 32 codes give the same bits for all 256 codes with two more instructions per
-// 64: 6-13% slower on one core, fp16_dot_probe.) The weights of a 64-column chunk come out in
-// the table decode's order (Fp8Pos).
+// 64: 6-13% slower on one core in a probe of that loop.) The weights of a 64-column chunk come
+// out in the table decode's order (Fp8Pos).
 //
 // fp16 has 11 significant bits and a range of 2^-24 .. 65504, so the activations are scaled
 // before they are rounded to it: for each route and each 128-row scale block rb of the matrix,

@@ -864,7 +864,7 @@ absl::Status LaunchRoutedExperts(const SlotBanks& banks, ExpertWorkspace& ws, in
   a.group_start = ws.group_start();
   a.num_groups = ws.num_groups();
   a.by_slot = grouping == RouteGrouping::kBySlot ||
-              (grouping == RouteGrouping::kAuto && num_tokens > 1);
+              (grouping == RouteGrouping::kAuto && num_tokens > kAutoPerRouteMaxTokens);
   int tc = 1;
   if (a.by_slot) {
     // A slot has at most T routes (top-k ids of a token are distinct; repeats only cost extra
