@@ -45,6 +45,10 @@ ABSL_FLAG(std::string, moe_cache_policy, "scored",
 ABSL_FLAG(int, adapt_every, 16,
           "GPU engine with --moe_cache_policy pinned: decode steps between re-choosing the "
           "pinned hot experts. The CPU engine ignores it");
+ABSL_FLAG(bool, cuda_graphs, true,
+          "GPU engine: replay each decode step (batches of decode tokens only) as a CUDA graph "
+          "captured once per batch bucket (1, 2, 4, ... up to --max_batch); false: eager "
+          "launches. The CPU engine ignores it");
 
 namespace moe::engine {
 
@@ -107,6 +111,7 @@ absl::StatusOr<GpuEngineOptions> GpuEngineOptionsFromFlags() {
     return absl::InvalidArgumentError(
         absl::StrCat("--adapt_every=", o.adapt_every, ": must be >= 1"));
   }
+  o.graphs = absl::GetFlag(FLAGS_cuda_graphs);
   return o;
 }
 

@@ -178,12 +178,10 @@ absl::Status ModelEngine::Init() {
     go.kv_blocks = options_.kv_blocks;
     go.expert_budget_gib = options_.gpu.expert_budget_gb;
     go.cache_policy = options_.gpu.cache_policy;
+    go.pin_hot_experts = options_.gpu.pin_hot_experts;
+    go.adapt_every = options_.gpu.adapt_every;
+    go.graphs = options_.gpu.graphs;
     go.deterministic = options_.deterministic;
-    if (options_.gpu.pin_hot_experts) {
-      return absl::UnimplementedError(
-          "--moe_cache_policy pinned: the CUDA backend does not pin hot experts yet; use "
-          "scored, lru or lfu");
-    }
     ASSIGN_OR_RETURN(model_, gpu::GpuModel::Create(parts_.weights, store, go));
   } else {
     int blocks = options_.kv_blocks;

@@ -35,6 +35,7 @@ struct GpuEngineOptions {
   // adapt_every steps.
   bool pin_hot_experts = false;
   int adapt_every = 16;
+  bool graphs = true;  // decode steps replayed as CUDA graphs per batch bucket
 };
 
 struct ModelEngineOptions {

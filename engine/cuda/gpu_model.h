@@ -59,7 +59,14 @@ struct GpuModelOptions {
   int kv_blocks = 0;         // 0: the memory plan's (max_batch sequences of max_context)
   double expert_budget_gib = 0;  // GPU expert slots; 0: automatic (what the plan leaves)
   int32_t cache_policy = moe_cache::kPolicyScored;
+  // Pin the hottest experts (moe_cache's HotPinner over the routes seen), re-chosen every
+  // adapt_every forwards; pinned experts are never evicted. Needs cache_policy kPolicyScored.
+  bool pin_hot_experts = false;
+  int adapt_every = 16;
   bool deterministic = false;
+  // Capture each all-decode pass of up to max_batch sequences as a CUDA graph per batch bucket
+  // (1, 2, 4, ...: the batch is padded to its bucket) and replay it; false: eager launches.
+  bool graphs = true;
   // The miss copy on the side stream beside the shared expert (moe_overlap); the environment
   // switch MOE_DECODE_SHARED_OVERLAP=0|1 overrides it.
   bool overlap = true;
