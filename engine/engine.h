@@ -142,8 +142,11 @@ class Engine {
   // Ends the request: its blocks are freed at the next Step, which delivers its final event
   // (kCancelled). Unknown or finished ids are ignored.
   virtual void Cancel(uint64_t request_id) = 0;
-  // Advances every active sequence once. An error here is the engine's own failure (the server
-  // reports it and ends the requests); bad requests never make Step fail.
+  // Advances every active sequence once. An error here is the engine's own failure (a forward
+  // pass out of device memory, a CUDA error); bad requests never make Step fail. The engine ends
+  // the requests the failure touched with it (their final kError events arrive during this
+  // Step), frees their blocks and stays usable: requests not in the failed batch, and new ones,
+  // run at later steps.
   virtual absl::Status Step() = 0;
   // True while any request is queued, running or awaits its final event.
   virtual bool HasWork() const = 0;

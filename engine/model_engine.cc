@@ -130,6 +130,8 @@ class ModelEngine final : public Engine {
   void AddText(Sequence& s, int32_t id);
   // Preempts the newest running sequence (frees its blocks, back to the waiting queue).
   void PreemptNewest();
+  // Running and waiting sequences and KV blocks in use, into stats_ (on the Step thread).
+  void UpdateOccupancy() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   ModelEngineParts parts_;
   ModelEngineOptions options_;
@@ -200,6 +202,10 @@ absl::Status ModelEngine::Init() {
     }
     ASSIGN_OR_RETURN(model_, CpuForwardModel::Create(parts_, options_, pool_.get(),
                                                      info_.max_context, blocks));
+  }
+  if (options_.wrap_model) {
+    model_ = options_.wrap_model(std::move(model_));
+    if (model_ == nullptr) return absl::InvalidArgumentError("wrap_model returned no model");
   }
   kv_ = std::make_unique<KvBlockAllocator>(model_->kv_blocks(), model_->kv_block_size());
   absl::MutexLock lock(&mu_);
@@ -491,9 +497,13 @@ absl::Status ModelEngine::Step() {
     std::vector<float> logits;
     absl::Status st = model_->Forward(chunks, &logits);
     if (!st.ok()) {
-      // The engine's own failure: end every running request with it.
+      // The engine's own failure (device memory, a CUDA error): the batch's keys and values may
+      // be half written, so every running request ends with it and gives its blocks back.
+      // Waiting requests were not in the batch: they stay queued and run at later steps.
       for (auto& s : running_) Finish(*s, FinishReason::kError, {}, st);
       running_.clear();
+      absl::MutexLock lock(&mu_);
+      UpdateOccupancy();
       return st;
     }
     for (size_t i = 0; i < planned.size(); ++i) planned[i]->num_computed += counts[i];
@@ -528,10 +538,14 @@ absl::Status ModelEngine::Step() {
     stats_.last_batch_size = delta.last_batch_size;
     ++stats_.steps;
   }
+  UpdateOccupancy();
+  return absl::OkStatus();
+}
+
+void ModelEngine::UpdateOccupancy() {
   stats_.running = static_cast<int>(running_.size());
   stats_.waiting = static_cast<int>(waiting_.size() + incoming_.size());
   stats_.kv_blocks_used = kv_->used_blocks();
-  return absl::OkStatus();
 }
 
 int DefaultMaxContext(const ModelConfig& c, int requested) {

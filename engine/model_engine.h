@@ -12,6 +12,7 @@
 #define MOE_ENGINE_MODEL_ENGINE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "cpu_moe/cpu_moe.h"
 #include "engine/engine.h"
+#include "engine/forward_model.h"
 #include "engine/model_weights.h"
 #include "moe_cache/policy_core.h"
 
@@ -67,6 +69,10 @@ struct ModelEngineOptions {
   // GPU memory plan is printed to stderr at start.
   std::string backend = "cpu";
   GpuEngineOptions gpu;  // backend "cuda" only
+  // Tests only (fault injection, engine/failing_forward_model.h): when set, the engine runs the
+  // model this returns in place of the one it built for `backend`. The returned model owns the
+  // one it is given and must keep its KV geometry. Unset: the built model runs as it is.
+  std::function<std::unique_ptr<ForwardModel>(std::unique_ptr<ForwardModel>)> wrap_model;
 };
 
 // Loads the model and builds the engine. InvalidArgument for bad options, NotFound / the

@@ -1,14 +1,16 @@
 // The engine loop on random in-memory models: batch independence in the deterministic mode,
 // seeded sampling whatever the batch, preemption when the KV pool is too small, cancellation,
-// KV block reuse, stop strings split across tokens, limits; the fast mode against the
-// deterministic one.
+// KV block reuse, stop strings split across tokens, limits; a forward pass failing in the middle
+// of a run; the fast mode against the deterministic one.
 #include "engine/model_engine.h"
 
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "engine/failing_forward_model.h"
 #include "engine/random_model.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "gtest/gtest.h"
@@ -350,6 +352,131 @@ TEST(ModelEngineTest, EosFinishesWithStopUnlessIgnored) {
   while (toks[first] != toks[2]) ++first;
   EXPECT_EQ(res2[*id2].reason, FinishReason::kStop);
   EXPECT_EQ(res2[*id2].tokens, std::vector<int32_t>(toks.begin(), toks.begin() + first + 1));
+}
+
+// What the fault-injection tests record of each request.
+struct Outcome {
+  std::vector<int32_t> tokens;
+  FinishReason reason = FinishReason::kNone;
+  absl::Status error;
+  int finals = 0;
+};
+
+GenerationRequest Recorded(std::vector<int32_t> prompt, int max_tokens,
+                           std::map<uint64_t, Outcome>* out) {
+  GenerationRequest r;
+  r.prompt_ids = std::move(prompt);
+  r.sampling.max_tokens = max_tokens;
+  r.sampling.ignore_eos = true;
+  r.on_event = [out](const GenerationEvent& e) {
+    Outcome& o = (*out)[e.request_id];
+    o.tokens.insert(o.tokens.end(), e.token_ids.begin(), e.token_ids.end());
+    if (e.finish_reason != FinishReason::kNone) {
+      o.reason = e.finish_reason;
+      o.error = e.error;
+      ++o.finals;
+    }
+  };
+  return r;
+}
+
+// Options whose model fails on demand; *failing is set when the engine is built.
+ModelEngineOptions WithFaults(ModelEngineOptions o, FailingForwardModel** failing) {
+  o.wrap_model = [failing](std::unique_ptr<ForwardModel> m) {
+    auto f = std::make_unique<FailingForwardModel>(std::move(m));
+    *failing = f.get();
+    return std::unique_ptr<ForwardModel>(std::move(f));
+  };
+  return o;
+}
+
+// A forward pass failing in the middle of a run (device memory running out, injected here): the
+// requests of that batch end with its error and give their blocks back; Step reports it; the
+// engine goes on, and a request that waited behind the batch, or came after the failure, gets
+// exactly the tokens it gets alone.
+TEST(ModelEngineTest, ForwardFailureEndsTheBatchAndTheEngineGoesOn) {
+  ModelEngineOptions o = Deterministic();
+  o.max_batch = 2;  // a and b run, c waits
+  FailingForwardModel* failing = nullptr;
+  auto e = MakeEngine(WithFaults(o, &failing));
+  ASSERT_NE(failing, nullptr);
+  std::map<uint64_t, Outcome> out;
+  auto a = e->Submit(Recorded(Prompt(9, 1), 30, &out));
+  auto b = e->Submit(Recorded(Prompt(5, 2), 30, &out));
+  auto c = e->Submit(Recorded(Prompt(11, 3), 7, &out));
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  for (int i = 0; i < 6; ++i) ASSERT_TRUE(e->Step().ok());
+  ASSERT_FALSE(out[*a].tokens.empty());
+  ASSERT_FALSE(out[*b].tokens.empty());
+  ASSERT_TRUE(out[*c].tokens.empty());
+  ASSERT_EQ(e->Stats().running, 2);
+  ASSERT_GT(e->Stats().kv_blocks_used, 0);
+
+  const absl::Status injected =
+      absl::ResourceExhaustedError("GPU memory: 64 MiB of activations do not fit (injected)");
+  failing->FailNext(injected);
+  EXPECT_EQ(e->Step(), injected);
+  for (uint64_t id : {*a, *b}) {
+    EXPECT_EQ(out[id].reason, FinishReason::kError) << id;
+    EXPECT_EQ(out[id].error, injected) << id;
+    EXPECT_EQ(out[id].finals, 1) << id;
+  }
+  EXPECT_EQ(out[*c].finals, 0);
+  EngineStats stats = e->Stats();
+  EXPECT_EQ(stats.kv_blocks_used, 0);
+  EXPECT_EQ(stats.running, 0);
+  EXPECT_EQ(stats.waiting, 1);
+  EXPECT_TRUE(e->HasWork());
+
+  auto d = e->Submit(Recorded(Prompt(6, 4), 9, &out));
+  ASSERT_TRUE(d.ok());
+  RunToEnd(*e);
+  for (const auto& [id, prompt, n] :
+       {std::tuple(*c, Prompt(11, 3), 7), std::tuple(*d, Prompt(6, 4), 9)}) {
+    std::map<uint64_t, Outcome> alone;
+    auto solo = MakeEngine(o);
+    auto sid = solo->Submit(Recorded(prompt, n, &alone));
+    ASSERT_TRUE(sid.ok());
+    RunToEnd(*solo);
+    EXPECT_EQ(out[id].reason, FinishReason::kLength) << id;
+    EXPECT_TRUE(out[id].error.ok()) << out[id].error;
+    EXPECT_EQ(out[id].finals, 1);
+    EXPECT_EQ(out[id].tokens, alone[*sid].tokens) << id;
+  }
+  stats = e->Stats();
+  EXPECT_EQ(stats.kv_blocks_used, 0);
+  EXPECT_EQ(stats.requests_finished, 4u);
+  EXPECT_EQ(failing->failed_calls(), 1);
+}
+
+// A model that keeps failing ends every request (each with the error) instead of leaving any
+// waiting forever.
+TEST(ModelEngineTest, PersistentForwardFailureEndsEveryRequest) {
+  ModelEngineOptions o = Deterministic();
+  o.max_batch = 2;
+  FailingForwardModel* failing = nullptr;
+  auto e = MakeEngine(WithFaults(o, &failing));
+  const absl::Status injected =
+      absl::InternalError("CUDA error: an illegal memory access (injected)");
+  failing->FailNext(injected, 1000);
+  std::map<uint64_t, Outcome> out;
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 5; ++i) {
+    auto id = e->Submit(Recorded(Prompt(4 + i, i), 5, &out));
+    ASSERT_TRUE(id.ok());
+    ids.push_back(*id);
+  }
+  int steps = 0;
+  for (; steps < 10 && e->HasWork(); ++steps) EXPECT_EQ(e->Step(), injected);
+  EXPECT_FALSE(e->HasWork());
+  EXPECT_EQ(steps, 3);  // two, two, then one
+  for (uint64_t id : ids) {
+    EXPECT_EQ(out[id].reason, FinishReason::kError) << id;
+    EXPECT_EQ(out[id].error, injected) << id;
+    EXPECT_EQ(out[id].finals, 1) << id;
+  }
+  EXPECT_EQ(e->Stats().kv_blocks_used, 0);
+  EXPECT_EQ(e->Stats().requests_finished, ids.size());
 }
 
 // The fast mode (batched oneDNN dense layers, cpu_moe's batch-dependent paths) differs from the

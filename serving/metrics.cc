@@ -84,6 +84,11 @@ void Metrics::AddTokens(uint64_t prompt_tokens, uint64_t completion_tokens) {
   completion_tokens_ += completion_tokens;
 }
 
+void Metrics::CountEngineFailure() {
+  absl::MutexLock lock(&mu_);
+  ++engine_failures_;
+}
+
 std::string Metrics::Render(const engine::EngineStats& stats, int queue_depth,
                             int in_flight) const {
   std::string out;
@@ -111,6 +116,9 @@ std::string Metrics::Render(const engine::EngineStats& stats, int queue_depth,
   Gauge(&out, "moe_running_sequences", "Sequences holding KV blocks.", stats.running);
   Gauge(&out, "moe_engine_steps_total", "Engine steps.", static_cast<double>(stats.steps),
         "counter");
+  Gauge(&out, "moe_engine_step_failures_total",
+        "Engine steps that failed (their requests ended with the error).",
+        static_cast<double>(engine_failures_), "counter");
   Gauge(&out, "moe_preemptions_total", "Sequences preempted for KV memory.",
         static_cast<double>(stats.preemptions), "counter");
   Gauge(&out, "moe_kv_blocks_used", "KV blocks in use.", stats.kv_blocks_used);

@@ -45,6 +45,8 @@ class Metrics {
   void ObserveTimeToFirstToken(double seconds);
   void ObserveInterTokenLatency(double seconds);
   void AddTokens(uint64_t prompt_tokens, uint64_t completion_tokens);
+  // One engine step that failed (its requests ended with the engine's error).
+  void CountEngineFailure();
 
   // The whole exposition: our counters and histograms plus the engine's gauges.
   std::string Render(const engine::EngineStats& stats, int queue_depth, int in_flight) const;
@@ -57,6 +59,7 @@ class Metrics {
   Histogram itl_ ABSL_GUARDED_BY(mu_);
   uint64_t prompt_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t engine_failures_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace moe::serving

@@ -1,5 +1,7 @@
 #include "serving/scheduler.h"
 
+#include <cstdio>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -38,6 +40,23 @@ void EventQueue::SetListener(std::function<void()> listener) {
   listener_ = std::move(listener);
 }
 
+namespace {
+
+// What clients are told when the engine failed in the middle of their request: the cause's
+// message, under a code of the server's own failure, never one that blames the client or its
+// rate (ResourceExhausted would reach HTTP clients as 429): out of a resource (device memory)
+// is 503 / UNAVAILABLE, worth retrying; anything else 500 / INTERNAL.
+absl::Status EngineFailure(const absl::Status& cause) {
+  const std::string message = absl::StrCat(
+      "the engine failed: ", cause.ok() ? "no reason given" : absl::string_view(cause.message()));
+  if (absl::IsResourceExhausted(cause) || absl::IsUnavailable(cause)) {
+    return absl::UnavailableError(message);
+  }
+  return absl::InternalError(message);
+}
+
+}  // namespace
+
 // What the engine callbacks of one call share. Fields below `call` are touched only on the step
 // thread (every engine callback runs there, and so does FailAll).
 struct Scheduler::CallState {
@@ -45,6 +64,7 @@ struct Scheduler::CallState {
   std::vector<bool> finished;
   std::vector<absl::Time> last_token;  // InfinitePast until the first token
   int unfinished = 0;                  // guarded by the scheduler's mu_
+  bool submitted = false;  // every request reached the engine; guarded by the scheduler's mu_
 };
 
 Scheduler::Scheduler(engine::Engine* engine, SchedulerOptions options, Metrics* metrics)
@@ -95,7 +115,14 @@ absl::StatusOr<std::shared_ptr<Call>> Scheduler::Submit(
         s->finished[i] = true;
         metrics_->AddTokens(event.prompt_tokens, event.completion_tokens);
       }
-      s->call->events->Push({i, event});
+      if (event.finish_reason == engine::FinishReason::kError) {
+        ++step_errors_;  // the step thread's own counter (see Loop)
+        engine::GenerationEvent failed = event;
+        failed.error = EngineFailure(event.error);
+        s->call->events->Push({i, std::move(failed)});
+      } else {
+        s->call->events->Push({i, event});
+      }
       if (final) OnFinal(s);
     };
     absl::StatusOr<uint64_t> id = engine_->Submit(std::move(requests[i]));
@@ -113,6 +140,7 @@ absl::StatusOr<std::shared_ptr<Call>> Scheduler::Submit(
   }
   {
     absl::MutexLock lock(&mu_);
+    state->submitted = true;
     wake_ = true;
   }
   return state->call;
@@ -192,25 +220,31 @@ uint64_t Scheduler::step_failures() const {
   return step_failures_;
 }
 
-void Scheduler::FailAll(const absl::Status& status) {
+int Scheduler::FailAll(const absl::Status& status) {
   std::vector<std::shared_ptr<CallState>> states;
   {
     absl::MutexLock lock(&mu_);
-    ++step_failures_;
-    states.assign(live_.begin(), live_.end());
+    // Calls still being submitted on another thread are left alone: their request ids are not
+    // complete yet, and they arrived after the failure.
+    for (const auto& s : live_) {
+      if (s->submitted) states.push_back(s);
+    }
   }
+  int ended = 0;
   for (const auto& s : states) {
     for (size_t i = 0; i < s->finished.size(); ++i) {
       if (s->finished[i]) continue;
-      if (i < s->call->request_ids.size()) engine_->Cancel(s->call->request_ids[i]);
+      engine_->Cancel(s->call->request_ids[i]);
       s->finished[i] = true;
       engine::GenerationEvent event;
       event.finish_reason = engine::FinishReason::kError;
-      event.error = absl::InternalError(absl::StrCat("the engine failed: ", status.message()));
+      event.error = EngineFailure(status);
       s->call->events->Push({static_cast<int>(i), std::move(event)});
       OnFinal(s.get());
+      ++ended;
     }
   }
+  return ended;
 }
 
 void Scheduler::Loop() {
@@ -226,8 +260,22 @@ void Scheduler::Loop() {
       wake_ = false;
     }
     if (!work) continue;
+    step_errors_ = 0;
     absl::Status status = engine_->Step();
-    if (!status.ok()) FailAll(status);
+    if (status.ok()) continue;
+    // The engine's own failure. It ends the requests the failure touched (their final events,
+    // with the error, arrived during the step); the others stay queued and the loop goes on, so
+    // the server keeps serving. An engine that ended none would leave its requests waiting on a
+    // failed step forever: then every admitted request ends here instead.
+    int ended = step_errors_;
+    if (ended == 0) ended = FailAll(status);
+    {
+      absl::MutexLock lock(&mu_);
+      ++step_failures_;
+    }
+    metrics_->CountEngineFailure();
+    std::fprintf(stderr, "server: engine step failed: %s; %d request(s) ended with it\n",
+                 status.ToString().c_str(), ended);
   }
 }
 

@@ -58,7 +58,9 @@ class EventQueue {
 };
 
 // One admitted call. Its queue receives every event of every request; each request's last event
-// has a finish reason (kCancelled when cancelled, kError with the status when the engine failed).
+// has a finish reason (kCancelled when cancelled, kError when the engine failed: its status is
+// then Unavailable when the engine ran out of a resource, Internal otherwise, with the engine's
+// message).
 struct Call {
   std::shared_ptr<EventQueue> events = std::make_shared<EventQueue>();
   std::vector<uint64_t> request_ids;  // engine ids, by choice index; set once Submit returns
@@ -98,14 +100,16 @@ class Scheduler {
   int in_flight() const;
   engine::Engine& engine() const { return *engine_; }
   const SchedulerOptions& options() const { return options_; }
-  // Engine steps that failed (their requests ended with kError).
+  // Engine steps that failed. The requests the failure touched ended with kError; the loop
+  // goes on with the others and with new ones.
   uint64_t step_failures() const;
 
  private:
   struct CallState;
   void Loop();
   void OnFinal(CallState* state) ABSL_LOCKS_EXCLUDED(mu_);
-  void FailAll(const absl::Status& status);
+  // Ends every admitted request with the engine's failure (on the step thread); returns how many.
+  int FailAll(const absl::Status& status);
 
   engine::Engine* const engine_;
   const SchedulerOptions options_;
@@ -117,6 +121,8 @@ class Scheduler {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t step_failures_ ABSL_GUARDED_BY(mu_) = 0;
+  // Requests the engine ended with kError during the current step (step thread only).
+  int step_errors_ = 0;
   // Calls with requests in flight (owned jointly with their engine callbacks).
   absl::flat_hash_set<std::shared_ptr<CallState>> live_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
