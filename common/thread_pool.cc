@@ -161,19 +161,33 @@ void ThreadPool::Run(uint64_t n, InvokeFn invoke, const void* fn) {
   }
 }
 
+void ThreadPool::Park() {
+  parked_.fetch_add(1, std::memory_order_seq_cst);
+  // A spinner sees parked_ within one iteration of its loop; one preempted mid-spin needs its
+  // next time slice.
+  while (spinning_.load(std::memory_order_seq_cst) != 0) std::this_thread::yield();
+}
+
+void ThreadPool::Unpark() { parked_.fetch_sub(1, std::memory_order_seq_cst); }
+
 void ThreadPool::WorkerLoop(int worker) {
   uint64_t seen = 0;
   while (true) {
-    // Wait for a new epoch: spin for a while, then sleep.
+    // Wait for a new epoch: spin for a while (not while parked), then sleep.
     uint64_t epoch = epoch_.load(std::memory_order_acquire);
     if (epoch == seen) {
+      spinning_.fetch_add(1, std::memory_order_seq_cst);
       const auto spin_until = std::chrono::steady_clock::now() + kSpinTime;
       for (int i = 0;; ++i) {
         epoch = epoch_.load(std::memory_order_acquire);
-        if (epoch != seen || stop_.load(std::memory_order_relaxed)) break;
+        if (epoch != seen || stop_.load(std::memory_order_relaxed) ||
+            parked_.load(std::memory_order_seq_cst) > 0) {
+          break;
+        }
         CpuRelax();
         if ((i & 63) == 63 && std::chrono::steady_clock::now() > spin_until) break;
       }
+      spinning_.fetch_sub(1, std::memory_order_seq_cst);
     }
     if (epoch == seen) {
       std::unique_lock<std::mutex> lock(sleep_mu_);

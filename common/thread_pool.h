@@ -1,6 +1,8 @@
 // ThreadPool: a persistent pool for fork-join loops, ParallelFor(n, fn(task, worker)), built for
 // the per-layer calls of MoE decode (a few microseconds each): workers spin briefly between calls
 // and then sleep on a condition variable, so a busy pool reacts fast and an idle one burns no CPU.
+// A caller about to hand the cores to another thread team (oneDNN's OpenMP threads) parks the
+// pool first, so that its idle workers sleep at once instead of spinning beside that team.
 // Also PhysicalCoreCount(), to size pools by physical rather than logical cores.
 #ifndef MOE_COMMON_THREAD_POOL_H_
 #define MOE_COMMON_THREAD_POOL_H_
@@ -53,6 +55,34 @@ class ThreadPool {
     Run(n, &Invoke<Fn>, &fn);
   }
 
+  // Parking: while at least one Park() is outstanding, an idle worker goes to sleep at once
+  // instead of spinning for its usual short while first. Park() returns once no worker spins
+  // (each is asleep, or inside a job of a concurrent ParallelFor). ParallelFor keeps working
+  // while parked: the workers wake for the job and go back to sleep right after it, so the
+  // first call after a long parked stretch pays their wake-up (microseconds). Park and Unpark
+  // pair up, nest, and may be called from any thread, including during a ParallelFor.
+  void Park();
+  void Unpark();
+
+  // Parks `pool` (nullptr: nothing) for the lifetime of this object.
+  class Parking {
+   public:
+    explicit Parking(ThreadPool* pool) : pool_(pool) {
+      if (pool_ != nullptr) pool_->Park();
+    }
+    ~Parking() {
+      if (pool_ != nullptr) pool_->Unpark();
+    }
+    Parking(const Parking&) = delete;
+    Parking& operator=(const Parking&) = delete;
+
+   private:
+    ThreadPool* const pool_;
+  };
+
+  // Worker threads asleep on the condition variable right now (for tests and diagnostics).
+  int sleeping_workers() const { return sleepers_.load(std::memory_order_relaxed); }
+
  private:
   using InvokeFn = void (*)(const void* fn, uint64_t task, int worker);
   template <typename Fn>
@@ -90,6 +120,12 @@ class ThreadPool {
   std::condition_variable cv_;
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
+
+  // Outstanding Park() calls, and the workers in their idle spin. A worker counts itself in
+  // spinning_ and then checks parked_; Park() bumps parked_ and then waits for spinning_ == 0
+  // (both seq_cst), so no worker keeps spinning once Park() returned.
+  alignas(64) std::atomic<int> parked_{0};
+  alignas(64) std::atomic<int> spinning_{0};
 };
 
 }  // namespace moe::common

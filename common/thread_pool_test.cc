@@ -2,10 +2,12 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <time.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -146,6 +148,76 @@ TEST(ThreadPoolTest, WorksAfterWorkersFellAsleep) {
     pool.ParallelFor(500, check);
     check.ExpectExactlyOnce();
   }
+}
+
+// CPU seconds of clock `id` (CLOCK_PROCESS_CPUTIME_ID, CLOCK_THREAD_CPUTIME_ID).
+double CpuSeconds(clockid_t id) {
+  timespec ts;
+  clock_gettime(id, &ts);
+  return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+// CPU time the pool's worker threads burn over `reps` small jobs, each followed by 1 ms of the
+// caller sleeping: the time the workers spin between jobs (the whole process's CPU time less
+// the caller's own).
+double WorkerCpuSecondsBetweenJobs(ThreadPool& pool, int reps) {
+  const double process0 = CpuSeconds(CLOCK_PROCESS_CPUTIME_ID);
+  const double self0 = CpuSeconds(CLOCK_THREAD_CPUTIME_ID);
+  for (int rep = 0; rep < reps; ++rep) {
+    Checker check(64, pool.num_workers());
+    pool.ParallelFor(64, check);
+    check.ExpectExactlyOnce();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return (CpuSeconds(CLOCK_PROCESS_CPUTIME_ID) - process0) -
+         (CpuSeconds(CLOCK_THREAD_CPUTIME_ID) - self0);
+}
+
+TEST(ThreadPoolTest, ParkedWorkersSleepInsteadOfSpinning) {
+  ThreadPool pool(4);
+  pool.ParallelFor(64, [](uint64_t, int) {});  // workers now spin
+  pool.Park();
+  // Park() returned: nobody spins, so all three worker threads reach the condition variable.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (pool.sleeping_workers() < 3 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::yield();
+  }
+  EXPECT_EQ(pool.sleeping_workers(), 3);
+  // Jobs still run exactly once while parked, and the workers burn far less CPU between them
+  // than unparked workers, which spin for a while after each job.
+  const double parked = WorkerCpuSecondsBetweenJobs(pool, 40);
+  pool.Unpark();
+  const double unparked = WorkerCpuSecondsBetweenJobs(pool, 40);
+  std::printf("worker CPU between 40 jobs: parked %.2f ms, unparked %.2f ms\n", 1e3 * parked,
+              1e3 * unparked);
+  if (unparked < 2e-3) GTEST_SKIP() << "unparked workers spun only " << unparked << " s";
+  EXPECT_LT(parked, 0.5 * unparked) << "parked " << parked << " s, unparked " << unparked << " s";
+}
+
+TEST(ThreadPoolTest, ParkingNestsAndRacesWithCallers) {
+  ThreadPool pool(4);
+  std::atomic<bool> done{false};
+  std::atomic<int> failures{0};
+  std::thread caller([&] {
+    while (!done.load()) {
+      Checker check(1000, pool.num_workers());
+      pool.ParallelFor(1000, check);
+      check.ExpectExactlyOnce();
+      if (::testing::Test::HasFailure()) failures.fetch_add(1);
+    }
+  });
+  for (int rep = 0; rep < 200; ++rep) {
+    ThreadPool::Parking outer(&pool);
+    { ThreadPool::Parking inner(&pool); }
+    ThreadPool::Parking none(nullptr);
+  }
+  done.store(true);
+  caller.join();
+  EXPECT_EQ(failures.load(), 0);
+  // Unparked again: workers spin after a job as before, and still run every task.
+  Checker check(500, pool.num_workers());
+  pool.ParallelFor(500, check);
+  check.ExpectExactlyOnce();
 }
 
 TEST(ThreadPoolTest, PhysicalCoreCountIsPositive) {

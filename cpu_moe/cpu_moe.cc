@@ -206,8 +206,12 @@ struct OnednnPart {
 // Runs the experts of `plan` with >= options.onednn_min_tokens_per_expert routes through oneDNN
 // into part->y and leaves the other routes in `plan`, redirected to accumulate into part->y.
 // Does nothing (part->experts == 0) when no expert qualifies.
+// The pool is parked meanwhile (OnednnConfig::park_pool): oneDNN computes on its own OpenMP
+// threads, and the pool's workers, still spinning after the caller's last ParallelFor, would
+// take cores from them.
 absl::Status RunOnednnPart(const ExpertBank& bank, const Options& options,
-                           internal::ForwardPlan& plan, OnednnExperts* onednn, OnednnPart* part) {
+                           internal::ForwardPlan& plan, OnednnExperts* onednn,
+                           common::ThreadPool& pool, OnednnPart* part) {
   const int min_tokens = options.onednn_min_tokens_per_expert;
   if (onednn == nullptr || bank.format != WeightFormat::kBf16 || min_tokens <= 0 ||
       plan.route_token.empty()) {
@@ -223,8 +227,8 @@ absl::Status RunOnednnPart(const ExpertBank& bank, const Options& options,
       group_begin.push_back(group_begin.back() + count[e + 1]);
     }
   }
-  const int min_experts = options.onednn_min_experts >= 0 ? options.onednn_min_experts
-                                                           : 2 * OnednnExperts::MaxThreads();
+  const int min_experts =
+      options.onednn_min_experts >= 0 ? options.onednn_min_experts : 2 * onednn->threads();
   if (experts.empty() || static_cast<int>(experts.size()) < min_experts) return absl::OkStatus();
   std::vector<int> slot(E, -1), pos(experts.size());
   for (size_t g = 0; g < experts.size(); ++g) {
@@ -278,7 +282,10 @@ absl::Status RunOnednnPart(const ExpertBank& bank, const Options& options,
   w.route_token = route_token;
   w.route_weight = route_weight;
   w.y = part->y.data();
-  RETURN_IF_ERROR(onednn->Run(w));
+  {
+    common::ThreadPool::Parking parking(onednn->config().park_pool ? &pool : nullptr);
+    RETURN_IF_ERROR(onednn->Run(w));
+  }
 
   part->experts = static_cast<int>(experts.size());
   part->routes = n;
@@ -700,7 +707,7 @@ absl::Status internal::Forward(const ExpertBank& bank, int num_tokens, int top_k
   }
   // Prefill: experts with many routes go through oneDNN first; the rest stay in `plan`.
   OnednnPart onednn;
-  RETURN_IF_ERROR(RunOnednnPart(bank, options, plan, onednn_experts, &onednn));
+  RETURN_IF_ERROR(RunOnednnPart(bank, options, plan, onednn_experts, pool, &onednn));
   const int num_routes = static_cast<int>(plan.route_token.size());
 
   // Counting sort of routes by expert (stable: token order within an expert).

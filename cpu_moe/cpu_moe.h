@@ -129,7 +129,7 @@ struct Options {
   int onednn_min_tokens_per_expert = kDefaultOnednnMinTokens;
   // ... and only when at least this many experts qualify; fewer go through the GEMV kernels too
   // (a few small GEMMs, each forked over every thread with its weights repacked, lose to the
-  // GEMV kernels). -1: twice oneDNN's thread count.
+  // GEMV kernels). -1: twice the OnednnExperts' thread count (OnednnExperts::threads()).
   int onednn_min_experts = -1;
   // bf16 and fp8 banks: where the CPU has AVX512_BF16 and the AVX3_DL target runs, round x and
   // the activated intermediate h to bf16 (round to nearest even, as common::FloatToBf16) and dot

@@ -19,14 +19,17 @@
 // --hugepages=0 (weights on 4 KiB pages; by default they
 // are advised onto transparent huge pages like the probe's buffer), --layout=panels|row (q4_0,
 // mxfp4 and nvfp4 banks in 16-row panels as PackPanels makes them, the default, or row-major;
-// env MOE_BENCH_LAYOUT, which --ab variants can set; the counter `panels` says which ran). Env MOE_CPU_MAX_TARGET caps
-// the ISA as in the library, MOE_CPU_BF16_DOT=0 turns bf16's dot product off (the counter bf16_dot
-// says whether it ran).
+// env MOE_BENCH_LAYOUT, which --ab variants can set; the counter `panels` says which ran). Env
+// MOE_CPU_MAX_TARGET caps the ISA as in the library, MOE_CPU_BF16_DOT=0 turns bf16's dot product
+// off (the counter bf16_dot says whether it ran).
 //   BM_CpuMoeSpeedup/<format>/<E>/<T>: dedup on and off alternated step by step in one case, so
 //   that the speedup (off / on) and its fraction of the reuse factor come from arms that share
 //   the machine's state (see BM_CpuMoeSpeedup).
 //   BM_CpuMoeTrace/<format>/<T> (with --trace=<.npy>): the same on real routing, T tokens of one
 //   layer of a recorded trace per step (see BM_CpuMoeTrace).
+//   BM_CpuMoePrefillPark/bf16/128/<T>: a prefill-sized call (T tokens, every expert through
+//   oneDNN) with the pool parked while oneDNN runs and not, alternating call by call (see
+//   BM_CpuMoePrefillPark); OMP_NUM_THREADS and OMP_WAIT_POLICY apply as to any libgomp program.
 // Also reported: prep_ms, pass1_ms, pass2_ms, other_ms (where a step's time goes) and
 // pass1_bw_fraction / pass2_bw_fraction (each pass's bytes over its own time, against DRAM).
 // --ab=... runs variants of the env switches side by side instead (see RunAb below), e.g.
@@ -87,6 +90,16 @@ common::ThreadPool& Pool() {
 // The oneDNN engine of the prefill path, like the pool one per process of this benchmark.
 OnednnExperts& Onednn() {
   static OnednnExperts* onednn = new OnednnExperts();
+  return *onednn;
+}
+
+// The same with the pool left unparked while oneDNN runs (BM_CpuMoePrefillPark's other arm).
+OnednnExperts& OnednnUnparked() {
+  static OnednnExperts* onednn = [] {
+    OnednnConfig c;
+    c.park_pool = false;
+    return new OnednnExperts(c);
+  }();
   return *onednn;
 }
 
@@ -642,6 +655,93 @@ void BM_CpuMoeHot(benchmark::State& state, WeightFormat format, int routes) {
   state.counters["panels"] = bank.layout == Layout::kPanels ? 1 : 0;
 }
 
+// The prefill path with and without parking the pool, side by side: every iteration runs one
+// call with the pool parked while oneDNN runs (OnednnConfig::park_pool, the default) and one
+// without, on the same routing (each call on the next bank), the order alternating between
+// iterations. T tokens of uniform routing over E experts at the decode cases' shapes (T=2048 at
+// E=128 gives each expert about 128 routes, so every expert goes through oneDNN); the call
+// includes the GEMV rest (none here) and the pool's final sum of the oneDNN part, as the engine
+// sees it. Counters: park_on_ms and park_off_ms (medians over the calls), off_over_on (median of
+// the per-iteration ratios; > 1: parking is faster), onednn_experts, omp_threads; the label
+// names the OpenMP wait policy of the environment.
+void BM_CpuMoePrefillPark(benchmark::State& state, int num_experts, int T) {
+  const std::vector<ExpertBank>& bank_list = BankList(GetBanks(WeightFormat::kBf16, num_experts));
+  std::mt19937_64 rng(3000 + T);
+  // A few routings, all of whose padded oneDNN shapes are created in the warm-up.
+  constexpr int kRoutings = 4;
+  std::vector<std::vector<int32_t>> ids(kRoutings);
+  {
+    std::vector<int> perm(num_experts);
+    for (std::vector<int32_t>& r : ids) {
+      for (int t = 0; t < T; ++t) {
+        for (int e = 0; e < num_experts; ++e) perm[e] = e;
+        for (int j = 0; j < kTopK; ++j) {
+          std::swap(perm[j], perm[std::uniform_int_distribution<int>(j, num_experts - 1)(rng)]);
+          r.push_back(perm[j]);
+        }
+      }
+    }
+  }
+  StepInputs in(T, kTopK, rng);
+  Options opt = Options::FromEnv();
+  opt.debug = false;
+  const internal::Tuning tuning = internal::Tuning::FromEnv();
+  OnednnExperts* arms[2] = {&OnednnUnparked(), &Onednn()};  // [park]
+  size_t step = 0;
+  ForwardStats fs;
+  auto call = [&](int park, int r) -> absl::Status {
+    const ExpertBank& bank = bank_list[step++ % bank_list.size()];
+    return internal::Forward(bank, T, kTopK, ids[r], in.w, in.x, absl::MakeSpan(in.y), opt, tuning,
+                             Pool(), &fs, arms[park]);
+  };
+  for (int r = 0; r < kRoutings; ++r) {
+    for (int park : {0, 1}) {
+      const absl::Status st = call(park, r);
+      if (!st.ok()) {
+        state.SkipWithError(st.ToString().c_str());
+        return;
+      }
+    }
+  }
+  if (fs.onednn_experts == 0) {
+    state.SkipWithError(
+        "the oneDNN path did not run (bf16 with oneDNN needs AVX-512; see the "
+        "onednn_min_* options)");
+    return;
+  }
+  std::vector<double> ms[2], ratio;
+  size_t pairs = 0;
+  for (auto _ : state) {
+    const int r = static_cast<int>(pairs % kRoutings);
+    double this_ms[2];
+    for (int i = 0; i < 2; ++i) {
+      const int park = (i + static_cast<int>(pairs)) % 2;
+      const auto t0 = std::chrono::steady_clock::now();
+      const absl::Status st = call(park, r);
+      const auto t1 = std::chrono::steady_clock::now();
+      if (!st.ok()) {
+        state.SkipWithError(st.ToString().c_str());
+        return;
+      }
+      this_ms[park] = 1e3 * std::chrono::duration<double>(t1 - t0).count();
+      ms[park].push_back(this_ms[park]);
+    }
+    ratio.push_back(this_ms[0] / this_ms[1]);
+    ++pairs;
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  state.counters["park_on_ms"] = median(ms[1]);
+  state.counters["park_off_ms"] = median(ms[0]);
+  state.counters["off_over_on"] = median(ratio);
+  state.counters["onednn_experts"] = fs.onednn_experts;
+  state.counters["omp_threads"] = Onednn().threads();
+  state.SetLabel(
+      absl::StrCat("threads=", Pool().num_workers(), " omp_wait=", OnednnExperts::WaitPolicy()));
+}
+
 void RegisterAll() {
   for (WeightFormat f : kFormats) {
     for (int routes : {1, 4, 8}) {
@@ -666,6 +766,13 @@ void RegisterAll() {
             ->MinTime(0.5);
       }
     }
+  }
+  for (int T : {2048}) {
+    const std::string name = absl::StrCat("BM_CpuMoePrefillPark/bf16/128/", T);
+    benchmark::RegisterBenchmark(name.c_str(), BM_CpuMoePrefillPark, 128, T)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond)
+        ->Iterations(9);
   }
   if (!g_trace_path.empty()) {
     for (WeightFormat f : kFormats) {
@@ -889,15 +996,18 @@ constexpr char kUsage[] =
     "  --threads=<n>         workers (default: physical cores)\n"
     "  --probe_rounds=<n>    DRAM probe rounds per reading (default 3)\n"
     "  --hugepages=0         weights on 4 KiB pages (default: transparent huge pages)\n"
-    "  --layout=panels|row   q4_0, mxfp4, nvfp4 banks in panels (default; PackPanels) or row-major\n"
+    "  --layout=panels|row   q4_0, mxfp4, nvfp4 banks in panels (default; PackPanels) or "
+    "row-major\n"
     "                        (env MOE_BENCH_LAYOUT, which --variant can set for --ab)\n"
     "  --trace=<.npy>        also register BM_CpuMoeTrace/<format>/<T> on that routing trace\n"
-    "  --ab=<cases>          side-by-side mode: format/E/T/dedup, trace:format/T or bal:format/E/T\n"
+    "  --ab=<cases>          side-by-side mode: format/E/T/dedup, trace:format/T or "
+    "bal:format/E/T\n"
     "                        (every expert 8T/E routes), comma-separated\n"
     "  --variant=<name>:<ENV>=<v>[;<ENV>=<v>]  a variant of the library's env switches (--ab)\n"
     "  --ab_reps=<n>         rounds of the side-by-side mode (default 9)\n"
     "Families: BM_CpuMoe/<format>/<E>/<T>/<dedup>, BM_CpuMoeSpeedup/<format>/<E>/<T>,\n"
-    "BM_CpuMoeHot/<format>/<routes per expert>; python3 cpu_moe/benchmarks/summarize.py reads the JSON.\n\n";
+    "BM_CpuMoeHot/<format>/<routes per expert>, BM_CpuMoePrefillPark/bf16/128/<T>;\n"
+    "python3 cpu_moe/benchmarks/summarize.py reads the JSON.\n\n";
 
 int main(int argc, char** argv) {
   using moe::cpu_moe::g_threads;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -189,7 +190,8 @@ struct OnednnExperts::Impl {
   }
 };
 
-OnednnExperts::OnednnExperts() : impl_(std::make_unique<Impl>()) {}
+OnednnExperts::OnednnExperts(const OnednnConfig& config)
+    : config_(config), impl_(std::make_unique<Impl>()) {}
 OnednnExperts::~OnednnExperts() = default;
 
 int OnednnExperts::PaddedRows(int m) const { return m <= 16 ? m : (m + 15) / 16 * 16; }
@@ -208,6 +210,20 @@ absl::Status OnednnExperts::Run(const OnednnExpertsWork& w) {
       static_cast<size_t>(w.group_begin[ng]) > w.route_token.size()) {
     return absl::InvalidArgumentError("onednn_experts: inconsistent work description");
   }
+  // The thread bound applies to this call only: the calling thread's OpenMP setting is the
+  // caller's.
+  struct ThreadsScope {
+    int saved = 0;
+    explicit ThreadsScope(int n) {
+      if (n > 0) {
+        saved = omp_get_max_threads();
+        omp_set_num_threads(n);
+      }
+    }
+    ~ThreadsScope() {
+      if (saved > 0) omp_set_num_threads(saved);
+    }
+  } threads_scope(config_.num_threads);
   OnednnThreading mode = w.threading;
   const int threads = omp_get_max_threads();
   if (mode == OnednnThreading::kAuto) {
@@ -274,5 +290,18 @@ std::string OnednnExperts::Version() {
 }
 
 int OnednnExperts::MaxThreads() { return omp_get_max_threads(); }
+
+int OnednnExperts::threads() const {
+  return config_.num_threads > 0 ? config_.num_threads : omp_get_max_threads();
+}
+
+std::string OnednnExperts::WaitPolicy() {
+  std::string s;
+  for (const char* name : {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"}) {
+    const char* v = std::getenv(name);
+    if (v != nullptr && *v != '\0') absl::StrAppend(&s, s.empty() ? "" : " ", name, "=", v);
+  }
+  return s.empty() ? "default" : s;
+}
 
 }  // namespace moe::cpu_moe

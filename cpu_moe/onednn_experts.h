@@ -58,6 +58,21 @@ struct OnednnExpertsWork {
   OnednnThreading threading = OnednnThreading::kAuto;
 };
 
+// How oneDNN's OpenMP threads share the machine with the caller's ThreadPool. libgomp threads
+// cannot be handed a pool, and after each parallel region they spin before sleeping: for up to
+// 300,000 iterations by default (GOMP_SPINCOUNT; milliseconds), forever with
+// OMP_WAIT_POLICY=ACTIVE, not at all with OMP_WAIT_POLICY=PASSIVE. libgomp reads those variables
+// once at start-up, so the wait policy is the process environment's: a process that runs other
+// thread pools beside the prefill path (an engine) should set OMP_WAIT_POLICY=PASSIVE.
+struct OnednnConfig {
+  // OpenMP threads per Run (0: OpenMP's default, OMP_NUM_THREADS or every logical CPU). Set on
+  // the calling thread for the call (omp_set_num_threads) and restored after it.
+  int num_threads = 0;
+  // Forward (cpu_moe.h) parks the ThreadPool it was given (ThreadPool::Park) while this runs,
+  // so the pool's idle workers sleep at once instead of spinning beside oneDNN's threads.
+  bool park_pool = true;
+};
+
 // Owns the oneDNN CPU engine and a cache of matmul primitives keyed by (M, N, K, data types,
 // post-ops, threads). Creating a primitive JIT-compiles kernels (0.5-4 ms measured), so each
 // shape is created once and reused.
@@ -74,29 +89,37 @@ struct OnednnExpertsWork {
 // Owned by the caller and passed to Forward like the thread pool (no process-wide instance):
 // an engine keeps one for its lifetime, so primitives are created once per shape. Thread-safe:
 // concurrent Run calls share the cache (under a lock) and each uses its own stream and
-// scratchpad. oneDNN's OpenMP threads are bounded by OMP_NUM_THREADS and their spinning by
-// OMP_WAIT_POLICY, as for any libgomp program.
+// scratchpad. oneDNN's OpenMP threads are bounded by OnednnConfig::num_threads (or
+// OMP_NUM_THREADS) and their spinning by OMP_WAIT_POLICY (see OnednnConfig).
 class OnednnExperts {
  public:
-  OnednnExperts();
+  explicit OnednnExperts(const OnednnConfig& config = OnednnConfig());
   ~OnednnExperts();
   OnednnExperts(const OnednnExperts&) = delete;
   OnednnExperts& operator=(const OnednnExperts&) = delete;
 
   absl::Status Run(const OnednnExpertsWork& work);
 
+  const OnednnConfig& config() const { return config_; }
+  // The OpenMP threads a Run from the calling thread uses (config().num_threads, or OpenMP's
+  // default for this thread when 0).
+  int threads() const;
+
   // Primitives created so far (both GEMMs, all shapes).
   size_t num_primitives() const;
   // The rounded M a group of m routes runs at.
   int PaddedRows(int m) const;
 
-  // oneDNN's effective ISA ("avx512_core_amx", "avx512_core_bf16", ...), its version, and the
-  // OpenMP threads it uses by default.
+  // oneDNN's effective ISA ("avx512_core_amx", "avx512_core_bf16", ...), its version, the
+  // OpenMP threads it uses by default, and the OpenMP wait policy of the environment
+  // ("OMP_WAIT_POLICY=passive", "GOMP_SPINCOUNT=0", or "default").
   static std::string CpuIsa();
   static std::string Version();
   static int MaxThreads();
+  static std::string WaitPolicy();
 
  private:
+  const OnednnConfig config_;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -16,6 +16,7 @@
 // relative Frobenius error against the reference is then about 2 * 2^-8 / sqrt(3) ~ 0.5%, checked
 // at <= 1%.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -383,6 +384,47 @@ TEST_F(OnednnExpertsTest, BrokenVariantsFail) {
   o.onednn_min_experts = 1;
   ASSERT_TRUE(Forward(bad, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, nullptr, &onednn_).ok());
   EXPECT_GT(WorstRatio(y, ref, scale), 10.0);
+}
+
+// OnednnConfig: a thread bound applies to the call only (the caller's OpenMP setting is back
+// after it) and feeds the default expert threshold (twice the threads); parking the pool or not
+// leaves the result alone, and the pool works after a parked call.
+TEST_F(OnednnExpertsTest, ConfigBoundsThreadsAndParkingKeepsResults) {
+  std::mt19937_64 rng(12);
+  const int T = 256;
+  const HostBank hb = MakeRandomBank(WeightFormat::kBf16, kE, kH, kI, 55);
+  const Routing r = MakeRouting(T, kE, kTopK, 0.0, rng);
+  const std::vector<int> counts = RouteCounts(r, kE);
+  ASSERT_TRUE(std::all_of(counts.begin(), counts.end(), [](int c) { return c >= 8; }));
+  const std::vector<float> x = RandomX(T, kH, true, rng);
+  std::vector<double> ref, scale, flip;
+  ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, Options(), false, &ref, &scale, &flip);
+  Options o;
+  o.onednn_min_tokens_per_expert = 1;
+  o.onednn_min_experts = -1;  // twice the OnednnExperts' threads
+  const int caller_threads = OnednnExperts::MaxThreads();
+  for (int threads : {kE / 2, kE / 2 + 1}) {
+    for (bool park : {true, false}) {
+      OnednnConfig c;
+      c.num_threads = threads;
+      c.park_pool = park;
+      OnednnExperts onednn(c);
+      EXPECT_EQ(onednn.threads(), threads);
+      std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
+      ForwardStats st;
+      ASSERT_TRUE(
+          Forward(hb.bank, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o, pool_, &st, &onednn)
+              .ok());
+      const std::string what = absl::StrCat("threads=", threads, " park=", park);
+      // 16 experts qualify: enough for 8 threads (16 >= 2 x 8), not for 9.
+      EXPECT_EQ(st.onednn_experts, threads == kE / 2 ? kE : 0) << what;
+      EXPECT_LE(WorstRatio(y, ref, scale), 1.0) << what;
+      EXPECT_EQ(OnednnExperts::MaxThreads(), caller_threads) << what;
+      std::atomic<int> tasks{0};
+      pool_.ParallelFor(100, [&](uint64_t, int) { tasks.fetch_add(1); });
+      EXPECT_EQ(tasks.load(), 100) << what;
+    }
+  }
 }
 
 }  // namespace
