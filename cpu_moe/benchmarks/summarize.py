@@ -7,6 +7,7 @@ bytes take at that bandwidth, and dedup's speedup is at least 0.9x the reuse fac
 distinct experts).
 
 Usage: summarize.py RESULT.json [MORE.json ...]  (the files' benchmarks are read together)
+       summarize.py --compare --old OLD.json [...] --new NEW.json [...] [--slower_than=R]
 Prints, per (format, E, T): ms per step with dedup off/on, reuse, speedup (off/on) and its
 fraction of the reuse factor, bw_fraction of both arms, and the step time with dedup over the
 time unique bytes take at the measured DRAM bandwidth (target <= 1.15 for T >= 8), and the
@@ -28,6 +29,19 @@ takes routes in passes (5 routes cost two passes), so the floor is a lower bound
 floor exceeds the step target, or whose dedup-off time over the larger of its floor and its
 DRAM time stays below 0.9 x reuse, cannot meet that target with these kernels on that machine,
 whatever the memory system does.
+
+The floor-rule table closes the summary, one row per format, in the layout of cpu_moe/README.md:
+T=1 GB/s (fraction of DRAM) at E=256 / 128; for T=8/16/32/64 the dedup step over the DRAM time,
+the step over max(DRAM time, compute floor), and speedup / reuse from the side-by-side cases.
+BM_CpuMoePrefillPark rows (the prefill path with the pool parked and not) are listed per file.
+
+--compare: two builds of cpu_moe_bench run on the same cases (alternating processes). Per case
+its step time (ms_per_step, else the real time per iteration), the median over each build's
+files, and new / old; then the geometric mean of new / old over the cases both builds ran, the
+worst case, and the cases more than 10% slower (the targets: a geometric mean of at most 1.03,
+and no case more than 10% slower in a confirming rerun). With --slower_than=R only the full
+names of the cases whose new / old exceeds R are printed, worst first, one a line: the cases to
+rerun.
 """
 import json
 import math
@@ -136,6 +150,149 @@ def main(paths):
     if hot:
         Floors(rows, side_by_side, hot)
     Targets(rows, side_by_side)
+    if hot:
+        FloorRuleTable(rows, side_by_side, hot)
+    PrefillPark(paths)
+
+
+def FloorRuleTable(rows, side_by_side, hot):
+    """The floor-rule table (module doc), one row per format, E=256 before E=128."""
+    ts = (8, 16, 32, 64)
+    fmts = []
+    for (fmt, _, _) in list(rows) + list(side_by_side):
+        if fmt not in fmts:
+            fmts.append(fmt)
+    if not fmts:
+        return
+
+    def on(fmt, e, t):
+        return rows.get((fmt, e, t), {}).get(1)
+
+    def step_dram(fmt, e, t):
+        b = on(fmt, e, t)
+        if not b:
+            return None
+        return b["ms_per_step"] / (b["unique_bytes"] / (b["dram_gbps"] * 1e9) * 1e3)
+
+    def step_floor(fmt, e, t):
+        b = on(fmt, e, t)
+        if not b or fmt not in hot:
+            return None
+        limit = min(ComputeFloorGbps(hot[fmt], e, t), b["dram_gbps"])
+        return b["ms_per_step"] / (b["unique_bytes"] / (limit * 1e9) * 1e3)
+
+    def speed(fmt, e, t):
+        b = side_by_side.get((fmt, e, t))
+        return b["speedup_over_reuse"] if b else None
+
+    def cell(v):
+        return "-" if v is None else f"{v:.2f}"
+
+    print()
+    print("Floor-rule table (T=8 / 16 / 32 / 64 in each cell; the step target is <= 1.15 against "
+          "max(DRAM time, compute floor), the speedup target >= 0.9):")
+    print()
+    print("| format | T=1 GB/s (of DRAM), E=256 / 128 | step / DRAM time, E=256 | same, E=128 | "
+          "step / max(DRAM time, compute floor), E=256 | same, E=128 | speedup / reuse, E=256 | "
+          "same, E=128 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    met = {"t1": [0, 0], "step": [0, 0], "speed": [0, 0]}
+
+    def count(name, v, ok):
+        if v is not None:
+            met[name][1] += 1
+            met[name][0] += ok
+
+    for fmt in fmts:
+        t1 = []
+        for e in (256, 128):
+            b = on(fmt, e, 1)
+            t1.append(f"{b['gbps']:.0f} ({b['bw_fraction']:.2f})" if b else "-")
+            if b:
+                count("t1", b, b["bw_fraction"] >= (0.85 if fmt == "bf16" else 0.70))
+            for t in ts:
+                v = step_floor(fmt, e, t)
+                count("step", v, v is not None and v <= 1.15)
+                v = speed(fmt, e, t)
+                count("speed", v, v is not None and v >= 0.9)
+        cells = [" / ".join(t1)]
+        for fn in (step_dram, step_floor, speed):
+            for e in (256, 128):
+                cells.append(" / ".join(cell(fn(fmt, e, t)) for t in ts))
+        print(f"| {fmt} | " + " | ".join(cells) + " |")
+    print()
+    print(f"T=1 target {met['t1'][0]} of {met['t1'][1]}; step target (floor rule) "
+          f"{met['step'][0]} of {met['step'][1]}; speedup target {met['speed'][0]} of "
+          f"{met['speed'][1]}")
+
+
+def PrefillPark(paths):
+    """BM_CpuMoePrefillPark rows of each file: the prefill call with the pool parked and not."""
+    lines = []
+    for path in paths:
+        for b in json.load(open(path))["benchmarks"]:
+            if not b["name"].startswith("BM_CpuMoePrefillPark/") or "park_on_ms" not in b:
+                continue
+            lines.append(f"| {path} | {b['name'].split('/iterations')[0]} | {b.get('label', '')} | "
+                         f"{b['park_on_ms']:.2f} | {b['park_off_ms']:.2f} | "
+                         f"{b['off_over_on']:.3f} | {b.get('omp_threads', 0):.0f} |")
+    if lines:
+        print()
+        print("Prefill through oneDNN with the pool parked and not (medians of alternating calls):")
+        print()
+        print("| file | case | label | parked ms | unparked ms | unparked / parked | OpenMP threads |")
+        print("|---|---|---|---|---|---|---|")
+        print("\n".join(lines))
+
+
+def StepTimes(paths):
+    """{case name: [step ms per file]} of the non-aggregate rows in `paths`."""
+    out = {}
+    for path in paths:
+        for b in json.load(open(path))["benchmarks"]:
+            if b.get("run_type") == "aggregate" or b.get("error_occurred"):
+                continue
+            if "ms_per_step" in b:
+                ms = b["ms_per_step"]
+            else:
+                scale = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[b.get("time_unit", "ns")]
+                ms = b["real_time"] * scale
+            out.setdefault(b["name"], []).append(ms)
+    return out
+
+
+def Median(v):
+    v = sorted(v)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
+def Compare(old_paths, new_paths, slower_than=None):
+    """New build against old on the cases both ran (module doc, --compare)."""
+    old, new = StepTimes(old_paths), StepTimes(new_paths)
+    names = [n for n in new if n in old]
+    ratios = {n: Median(new[n]) / Median(old[n]) for n in names}
+    if slower_than is not None:
+        for n in sorted(ratios, key=ratios.get, reverse=True):
+            if ratios[n] > slower_than:
+                print(n)
+        return
+    if not ratios:
+        sys.exit("no case in common between the old and the new files")
+    print("| case | old ms | new ms | new / old | old runs | new runs |")
+    print("|---|---|---|---|---|---|")
+    for n in names:
+        print(f"| {n} | {Median(old[n]):.4f} | {Median(new[n]):.4f} | {ratios[n]:.3f} | "
+              f"{len(old[n])} | {len(new[n])} |")
+    geo = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
+    worst = max(ratios, key=ratios.get)
+    slow = sorted((n for n in ratios if ratios[n] > 1.10), key=ratios.get, reverse=True)
+    print()
+    print(f"{len(ratios)} cases; geometric mean of new / old: {geo:.4f} (target <= 1.03: "
+          f"{'met' if geo <= 1.03 else 'MISSED'})")
+    print(f"worst case: {worst} new / old {ratios[worst]:.3f}")
+    print(f"cases more than 10% slower: {len(slow)}"
+          + ("".join(f"\n  {n}: {ratios[n]:.3f}" for n in slow) if slow else ""))
 
 
 def Floors(rows, side_by_side, hot):
@@ -230,7 +387,29 @@ def Targets(rows, side_by_side):
               "targets): " + "; ".join(over))
 
 
+USAGE = ("usage: summarize.py RESULT.json [MORE.json ...]\n"
+         "       summarize.py --compare --old OLD.json [...] --new NEW.json [...] "
+         "[--slower_than=R]")
+
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: summarize.py RESULT.json [MORE.json ...]")
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    if not args:
+        sys.exit(USAGE)
+    if args[0] == "--compare":
+        old_paths, new_paths, slower, into = [], [], None, None
+        for a in args[1:]:
+            if a == "--old":
+                into = old_paths
+            elif a == "--new":
+                into = new_paths
+            elif a.startswith("--slower_than="):
+                slower = float(a.split("=", 1)[1])
+            elif into is not None:
+                into.append(a)
+            else:
+                sys.exit(USAGE)
+        if not old_paths or not new_paths:
+            sys.exit(USAGE)
+        Compare(old_paths, new_paths, slower)
+    else:
+        main(args)
