@@ -10,13 +10,17 @@ namespace moe::common {
 
 absl::Status CudaErrorToStatus(int cuda_error, const char* expr, const char* file, int line) {
   if (cuda_error == 0) return absl::OkStatus();
+  // cudaErrorMemoryAllocation (2): out of device or pinned memory, which the caller may report
+  // as such (free something, ask for less) rather than as an internal failure.
+  const absl::StatusCode code =
+      cuda_error == 2 ? absl::StatusCode::kResourceExhausted : absl::StatusCode::kInternal;
 #if MOE_HAVE_CUDA
   const cudaError_t e = static_cast<cudaError_t>(cuda_error);
-  return absl::InternalError(absl::StrCat(cudaGetErrorName(e), " (", cuda_error,
+  return absl::Status(code, absl::StrCat(cudaGetErrorName(e), " (", cuda_error,
                                           "): ", cudaGetErrorString(e), " in ", expr, " at ",
                                           file, ":", line));
 #else
-  return absl::InternalError(
+  return absl::Status(code,
       absl::StrCat("CUDA error ", cuda_error, " in ", expr, " at ", file, ":", line));
 #endif
 }

@@ -8,8 +8,9 @@
 
 namespace moe::common {
 
-// OK for 0 (cudaSuccess); otherwise Internal with the error's name and description (when built
-// with CUDA), the failing expression and file:line.
+// OK for 0 (cudaSuccess); ResourceExhausted for cudaErrorMemoryAllocation (2), Internal for any
+// other error; the message holds the error's name and description (when built with CUDA), the
+// failing expression and file:line.
 absl::Status CudaErrorToStatus(int cuda_error, const char* expr, const char* file, int line);
 
 // Number of visible CUDA devices: 0 when built without CUDA, with no driver or no device. Never

@@ -17,10 +17,10 @@ TEST(CudaStatusTest, ZeroIsOk) {
   EXPECT_TRUE(Returns(0).ok());
 }
 
-TEST(CudaStatusTest, ErrorIsInternalWithExpressionAndLocation) {
+TEST(CudaStatusTest, OutOfMemoryIsResourceExhaustedWithExpressionAndLocation) {
   // 2 is cudaErrorMemoryAllocation.
   const absl::Status s = CudaErrorToStatus(2, "cudaMalloc(&p, n)", "foo.cc", 42);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
   const std::string msg(s.message());
   EXPECT_NE(msg.find("cudaMalloc(&p, n)"), std::string::npos) << msg;
   EXPECT_NE(msg.find("foo.cc:42"), std::string::npos) << msg;
@@ -29,9 +29,14 @@ TEST(CudaStatusTest, ErrorIsInternalWithExpressionAndLocation) {
 #endif
 }
 
+TEST(CudaStatusTest, OtherErrorsAreInternal) {
+  // 1 is cudaErrorInvalidValue.
+  EXPECT_EQ(CudaErrorToStatus(1, "x", "f.cc", 1).code(), absl::StatusCode::kInternal);
+}
+
 TEST(CudaStatusTest, MacroReturnsTheErrorWithTheExpressionText) {
   const absl::Status s = Returns(2);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(std::string(s.message()).find("error"), std::string::npos) << s;
 }
 

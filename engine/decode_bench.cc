@@ -29,7 +29,8 @@
 // offload-only floor of the same run: every miss over the host link at the host-to-device
 // bandwidth measured in the same process, plus the bytes read from GPU memory (dense weights,
 // the distinct experts of each layer and step, the KV cache) at the device copy bandwidth
-// measured likewise.
+// measured likewise. Each decode case runs eagerly ("eager" rows), then replayed from the
+// bucket's captured CUDA graph ("decode" rows) over the same routing.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -44,6 +45,7 @@
 #include "absl/strings/str_split.h"
 #include "common/formats.h"
 #include "common/membw.h"
+#include "common/status.h"
 #include "common/thread_pool.h"
 #include "engine/cpu_expert_backend.h"
 #include "engine/cuda/gpu_model.h"
@@ -229,7 +231,7 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
       gpu::GpuModelOptions go;
       go.max_batch = max_batch;
       go.max_step_tokens = std::max(P, max_batch);
-      go.max_context = (std::max(P, C + S) + 1 + bs - 1) / bs * bs;
+      go.max_context = (std::max(P, C + 2 * S + 2) + 1 + bs - 1) / bs * bs;
       go.kv_block_size = bs;
       go.expert_budget_gib = static_cast<double>(static_cast<uint64_t>(slots) * M * slot_bytes) /
                              static_cast<double>(uint64_t{1} << 30);
@@ -306,7 +308,7 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
         std::vector<std::vector<int32_t>> tables(B), seqs(B);
         std::vector<ModelChunk> chunks;
         for (int b = 0; b < B; ++b) {
-          alloc.Allocate((C + S + 1 + bs - 1) / bs, &tables[b]);
+          alloc.Allocate((C + 2 * S + 3 + bs - 1) / bs, &tables[b]);
           seqs[b] = tokens(C, 100 + b);
           chunks.push_back({seqs[b], 0, &tables[b], ChunkLogits::kLast});
         }
@@ -319,29 +321,45 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
         std::vector<int32_t> next(B);
         for (int b = 0; b < B; ++b) next[b] = ArgMax(logits.data() + static_cast<size_t>(b) * V, V);
         gm.set_routing_override(routing);
-        if (routing) routing->Rewind();
-        gm.ResetStats();
-        double kv_bytes = 0;
-        const auto t1 = Clock::now();
-        for (int step = 0; step < S; ++step) {
-          chunks.clear();
-          for (int b = 0; b < B; ++b) {
-            chunks.push_back(
-                {absl::MakeConstSpan(&next[b], 1), C + step, &tables[b], ChunkLogits::kLast});
-            kv_bytes += static_cast<double>(kv_token_bytes) * (C + step + 1);
+        // Eager launches, then graph replays, each over the same routing (the trace rewound) from
+        // an empty expert cache.
+        int pos = C;
+        for (bool graphs : {false, true}) {
+          gm.set_graphs(graphs);
+          if (routing) routing->Rewind();
+          auto decode_step = [&]() -> absl::Status {
+            chunks.clear();
+            for (int b = 0; b < B; ++b) {
+              chunks.push_back(
+                  {absl::MakeConstSpan(&next[b], 1), pos, &tables[b], ChunkLogits::kLast});
+            }
+            ++pos;
+            logits.clear();
+            RETURN_IF_ERROR(gm.Forward(chunks, &logits));
+            for (int b = 0; b < B; ++b) {
+              next[b] = ArgMax(logits.data() + static_cast<size_t>(b) * V, V);
+            }
+            return absl::OkStatus();
+          };
+          // An untimed step (the graph's capture), then both modes from the same cold cache.
+          st = decode_step();
+          if (routing) routing->Rewind();
+          if (st.ok()) st = gm.ResetExpertCache();
+          gm.ResetStats();
+          double kv_bytes = 0;
+          const auto t1 = Clock::now();
+          for (int step = 0; step < S && st.ok(); ++step) {
+            kv_bytes += static_cast<double>(kv_token_bytes) * (pos + 1) * B;
+            st = decode_step();
           }
-          logits.clear();
-          st = gm.Forward(chunks, &logits);
           if (!st.ok()) {
             std::fprintf(stderr, "%s\n", st.ToString().c_str());
             return 1;
           }
-          for (int b = 0; b < B; ++b) {
-            next[b] = ArgMax(logits.data() + static_cast<size_t>(b) * V, V);
-          }
+          const double secs = std::chrono::duration<double>(Clock::now() - t1).count();
+          report(graphs ? "decode" : "eager", B, S, B * S, secs,
+                 floor_seconds(gm.stats(), S, kv_bytes), gm.stats());
         }
-        const double secs = std::chrono::duration<double>(Clock::now() - t1).count();
-        report("decode", B, S, B * S, secs, floor_seconds(gm.stats(), S, kv_bytes), gm.stats());
         gm.set_routing_override(nullptr);
         for (auto& t : tables) alloc.Free(&t);
       }

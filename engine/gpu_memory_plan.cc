@@ -89,7 +89,11 @@ std::string GpuMemoryPlan::Summary() const {
                   kv_block_size, " tokens (--max-context ", max_context, " x --max-batch ",
                   max_batch, "); scratch ", FormatBytes(scratch_bytes()), " (workspace ",
                   FormatBytes(workspace_bytes), ", activations of ", max_step_tokens, " tokens ",
-                  FormatBytes(activation_bytes), ")");
+                  FormatBytes(activation_bytes),
+                  prefill_stream_bytes > 0
+                      ? absl::StrCat(", prefill expert stream ", FormatBytes(prefill_stream_bytes))
+                      : std::string(),
+                  ")");
   if (moe_layers > 0) {
     absl::StrAppend(&s, "; expert cache ", slots_per_layer, " slots per MoE layer x ", moe_layers,
                     " layers = ", total_slots(), " slots of ", FormatBytes(slot_bytes), " (",
@@ -147,6 +151,7 @@ absl::StatusOr<GpuMemoryPlan> PlanGpuMemory(const ModelConfig& c, const GpuMemor
   // Scratch.
   p.workspace_bytes = r.workspace_reserve_bytes;
   p.activation_bytes = ActivationBytesPerRow(c) * U(p.max_step_tokens);
+  p.prefill_stream_bytes = r.prefill_stream_bytes;
   const uint64_t used_dense = dense + r.safety_reserve_bytes;
   if (used_dense + p.scratch_bytes() > free) {
     return absl::ResourceExhaustedError(absl::StrCat(

@@ -38,6 +38,8 @@ struct GpuMemoryRequest {
   uint64_t workspace_reserve_bytes = uint64_t{512} << 20;
   // Left free: allocator slack and the CUDA context's own growth.
   uint64_t safety_reserve_bytes = uint64_t{1} << 30;
+  // Prefill streaming's double buffer (two MoE layers' experts), inside scratch; 0: none.
+  uint64_t prefill_stream_bytes = 0;
 };
 
 // Dense weights on the GPU, in bytes (bf16).
@@ -64,6 +66,7 @@ struct GpuMemoryPlan {
   uint64_t kv_bytes = 0;
   uint64_t workspace_bytes = 0;
   uint64_t activation_bytes = 0;  // f32 activations of max_step_tokens rows (an upper bound)
+  uint64_t prefill_stream_bytes = 0;  // prefill streaming's double buffer
   int max_step_tokens = 0;
   int moe_layers = 0;
   int experts_per_layer = 0;
@@ -76,7 +79,9 @@ struct GpuMemoryPlan {
   uint64_t safety_reserve_bytes = 0;
   common::WeightFormat expert_format = common::WeightFormat::kBf16;
 
-  uint64_t scratch_bytes() const { return workspace_bytes + activation_bytes; }
+  uint64_t scratch_bytes() const {
+    return workspace_bytes + activation_bytes + prefill_stream_bytes;
+  }
   uint64_t planned_bytes() const {
     return dense.total() + kv_bytes + scratch_bytes() + expert_bytes;
   }

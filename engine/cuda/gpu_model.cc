@@ -24,12 +24,14 @@
 #include "engine/cuda/ops/token_ops.h"
 #include "engine/cuda/route_kernels.h"
 #include "engine/rope.h"
+#include "graph_capture/graph_cache.h"
 #include "moe_cache/gpu/ensure_kernels.h"
 #include "moe_cache/gpu/gather_kernels.h"
 #include "moe_cache/gpu/slot_pool.h"
 #include "moe_overlap/fork_join.h"
 #include "moe_overlap/stream_pair.h"
 #endif
+#include "moe_cache/pinning.h"
 
 namespace moe::engine::gpu {
 
@@ -184,6 +186,8 @@ struct GpuModel::Impl {
   int rows_per_call = 0;  // rows of one ensure call (the pool holds their experts)
   int max_calls = 0;      // ensure calls of one pass
   int logit_rows = 0;
+  int max_bucket = 0;  // largest decode bucket (a power of two); 0: no buckets
+  int seq_cap = 0;     // sequences the per-pass buffers hold: max(max_chunks, max_bucket)
   uint64_t dense_bytes = 0;
   RoutingOverride* routing = nullptr;
   GpuCacheStats stats;
@@ -218,12 +222,36 @@ struct GpuModel::Impl {
   void* host_block = nullptr;
   int32_t *h_tokens = nullptr, *h_positions = nullptr, *h_seq_ids = nullptr,
           *h_seq_lens = nullptr, *h_tables = nullptr, *h_forced = nullptr, *h_counts = nullptr;
+  float* h_logits = nullptr;  // pinned [logit_rows, V]: a decode bucket's logits
+  int32_t* d_ensure_error = nullptr;  // the ensure kernel's error flag (an id >= E)
   std::vector<int32_t> forced;  // [moe_layers, rows, k] of the current Forward
+
+  // Decode buckets captured as graphs (with the routing mode they were captured in).
+  std::unique_ptr<graph_capture::GraphCache> graphs;
+  bool graphs_on = false;
+  bool graphs_forced = false;
+  int fail_graph_after = -1;  // test hook: captures until an injected out-of-memory
+  // The pinned policy: heat of the routes seen, flags uploaded between forwards.
+  std::unique_ptr<moe_cache::HotPinner> pinner;
+  std::vector<uint8_t> pinned_flags;
+  // Prefill streaming: two layer buffers (every expert of one MoE layer each) and their events.
+  int stream_min_rows = 0;  // 0: off
+  uint64_t stream_layer_bytes = 0;
+  SlotBanks stage[2];
+  cudaEvent_t copied[2] = {nullptr, nullptr}, consumed[2] = {nullptr, nullptr};
 
   ~Impl() {
     cudaDeviceSynchronize();
     if (host_block != nullptr) cudaFreeHost(host_block);
+    if (h_logits != nullptr) cudaFreeHost(h_logits);
+    for (cudaEvent_t e : {copied[0], copied[1], consumed[0], consumed[1]}) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
   }
+  // Copies MoE layer `m`'s experts whole into layer buffer `buf` on the side stream, after the
+  // compute that last read that buffer.
+  absl::Status StreamLayer(int m, int buf);
+  absl::Status StreamedMoeBlock(const GpuLayer& lw, int rows);
 
   CUstream_st* stream() const { return pair->compute(); }
 
@@ -244,9 +272,35 @@ struct GpuModel::Impl {
     int count = 0;
     bool last = false;  // holds the chunk's last token
   };
+  // One pass as enqueued: `rows` rows of `seqs` pieces; a decode bucket pads the batch with
+  // rows of position -1 (no KV write, no route, zero attention) up to the bucket.
+  struct PassInputs {
+    int rows = 0;
+    int real_rows = 0;
+    int seqs = 0;
+    bool all_decode = false;
+    bool bucket = false;        // padded decode bucket: logits of every row into h_logits
+    bool streamed = false;      // experts streamed whole per layer (a long prefill pass)
+    std::vector<int> sel_rows;  // rows whose logits the caller wants, in order
+  };
+  // Fills the pinned staging buffers of a pass (the previous pass has finished).
+  PassInputs StagePass(absl::Span<const ModelChunk> chunks, const std::vector<Piece>& pieces,
+                       int row0, int total_rows, int bucket);
+  // Every device operation of a pass on the compute stream (and the side stream it forks):
+  // no allocation, no synchronisation, so a decode bucket's pass can be captured. Eager passes
+  // that are not a bucket write the wanted logits to `out` (pageable, so only outside capture).
+  absl::Status EnqueuePass(absl::Span<const ModelChunk> chunks, const std::vector<Piece>& pieces,
+                           const PassInputs& in, std::vector<float>* out);
+  // Waits for the pass, checks the ensure kernel's error flag, adds the statistics, copies a
+  // bucket's wanted logits out and feeds the hot-expert pinner.
+  absl::Status FinishPass(const PassInputs& in, std::vector<float>* out);
   absl::Status RunPass(absl::Span<const ModelChunk> chunks, const std::vector<Piece>& pieces,
-                       int row0, int total_rows, std::vector<float>* logits);
-  absl::Status MoeBlock(const GpuLayer& lw, int rows, int* calls, int64_t* routes);
+                       int row0, int total_rows, std::vector<float>* out);
+  absl::Status MoeBlock(const GpuLayer& lw, int rows);
+  int CallsPerPass(int rows) const {
+    return rows_per_call > 0 ? w->config.NumMoeLayers() * ((rows + rows_per_call - 1) / rows_per_call)
+                             : 0;
+  }
 };
 
 absl::StatusOr<const uint16_t*> GpuModel::Impl::UploadBf16(const std::vector<uint16_t>& host,
@@ -370,7 +424,12 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
   step_rows = opt.max_step_tokens > 0 ? opt.max_step_tokens : std::max(opt.max_batch, 256);
   if (K > 0) step_rows = std::min(step_rows, ExpertWorkspace::kMaxRoutes / K);
   max_chunks = std::min(opt.max_batch, step_rows);
-  logit_rows = std::min(step_rows, std::max(opt.max_batch, 8));
+  // Decode buckets: powers of two up to the first that holds max_chunks, within one pass.
+  max_bucket = 1;
+  while (max_bucket < max_chunks) max_bucket <<= 1;
+  while (max_bucket > step_rows) max_bucket >>= 1;
+  seq_cap = std::max(max_chunks, max_bucket);
+  logit_rows = std::min(step_rows, std::max({opt.max_batch, 8, max_bucket}));
 
   RETURN_IF_ERROR(common::CudaAvailable());
   size_t free_b = 0, total_b = 0;
@@ -383,7 +442,27 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
   req.max_batch = opt.max_batch;
   req.max_step_tokens = step_rows;
   req.kv_block_size = opt.kv_block_size;
-  ASSIGN_OR_RETURN(plan, PlanGpuMemory(c, req));
+  // Prefill streaming's double buffer: two MoE layers of experts, planned as scratch when they
+  // fit beside everything else.
+  uint64_t stream_bytes = 0;
+  if (M > 0 && opt.prefill_stream) {
+    const moe_cache::BankLayout& lay = store->layout();
+    for (int b = 0; b < lay.num_banks(); ++b) stream_bytes += lay.bank(b).pitch;
+    stream_layer_bytes = stream_bytes * E;
+    stream_bytes = 2 * stream_layer_bytes;
+  }
+  req.prefill_stream_bytes = stream_bytes;
+  absl::StatusOr<GpuMemoryPlan> planned = PlanGpuMemory(c, req);
+  if (!planned.ok() && stream_bytes > 0 &&
+      planned.status().code() == absl::StatusCode::kResourceExhausted) {
+    req.prefill_stream_bytes = stream_bytes = 0;
+    planned = PlanGpuMemory(c, req);
+  }
+  if (!planned.ok()) return planned.status();
+  plan = *std::move(planned);
+  if (stream_bytes > 0 && plan.slots_per_layer >= E) {
+    plan.prefill_stream_bytes = stream_bytes = 0;  // every expert resident: nothing to stream
+  }
   if (opt.print_plan) std::fprintf(stderr, "%s\n", plan.Summary().c_str());
   kv_blocks = opt.kv_blocks > 0 ? opt.kv_blocks : plan.kv_blocks;
   max_blocks = (max_context + opt.kv_block_size - 1) / opt.kv_block_size;
@@ -453,7 +532,7 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
     kv = *std::move(kvp);
   }
   DecodeWorkspaceConfig dc;
-  dc.max_batch = max_chunks;
+  dc.max_batch = seq_cap;
   dc.num_q_heads = nh;
   dc.num_kv_heads = nkv;
   dc.head_dim = hd;
@@ -489,6 +568,28 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
     // layer in several calls.
     rows_per_call = total_slots >= E ? step_rows : std::max(1, total_slots / K);
     max_calls = M * ((step_rows + rows_per_call - 1) / rows_per_call);
+    if (stream_bytes > 0) {
+      stream_min_rows = opt.prefill_stream_min_rows > 0 ? opt.prefill_stream_min_rows
+                                                        : std::max(2, (4 * E + K - 1) / K);
+      auto buf = std::make_unique<DeviceBuffer>();
+      RETURN_IF_ERROR(buf->Allocate(stream_bytes, "prefill expert stream (two MoE layers)"));
+      const moe_cache::BankLayout& lay = store->layout();
+      uint8_t* at = static_cast<uint8_t*>(buf->get());
+      for (int i = 0; i < 2; ++i) {
+        // Per buffer, each bank's E experts at the store's pitch: the slot banks of E slots.
+        stage[i] = banks;
+        stage[i].num_slots = E;
+        for (int b = 0; b < lay.num_banks(); ++b) {
+          if (lay.bank(b).name == "gate_up") stage[i].gate_up = at;
+          if (lay.bank(b).name == "down") stage[i].down = at;
+          at += static_cast<uint64_t>(lay.bank(b).pitch) * E;
+        }
+      }
+      owned.push_back(std::move(buf));
+      for (cudaEvent_t* e : {&copied[0], &copied[1], &consumed[0], &consumed[1]}) {
+        CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+      }
+    }
   }
 
   // Activations: one allocation, carved with 256-byte alignment.
@@ -504,8 +605,9 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
       {reinterpret_cast<void**>(&d_tokens), T * 4},
       {reinterpret_cast<void**>(&d_positions), T * 4},
       {reinterpret_cast<void**>(&d_seq_ids), T * 4},
-      {reinterpret_cast<void**>(&d_seq_lens), static_cast<uint64_t>(max_chunks) * 4},
-      {reinterpret_cast<void**>(&d_tables), static_cast<uint64_t>(max_chunks) * max_blocks * 4},
+      {reinterpret_cast<void**>(&d_seq_lens), static_cast<uint64_t>(seq_cap) * 4},
+      {reinterpret_cast<void**>(&d_tables), static_cast<uint64_t>(seq_cap) * max_blocks * 4},
+      {reinterpret_cast<void**>(&d_ensure_error), 4},
       {reinterpret_cast<void**>(&d_forced), M64 * routes * 4},
       {reinterpret_cast<void**>(&h), T * H * 4},
       {reinterpret_cast<void**>(&xn), T * H * 4},
@@ -543,7 +645,7 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
   }
   owned.push_back(std::move(arena));
 
-  const uint64_t host_ints = 3 * T + max_chunks + static_cast<uint64_t>(max_chunks) * max_blocks +
+  const uint64_t host_ints = 3 * T + seq_cap + static_cast<uint64_t>(seq_cap) * max_blocks +
                              M64 * routes + std::max(1, max_calls);
   CUDA_RETURN_IF_ERROR(cudaHostAlloc(&host_block, host_ints * 4, cudaHostAllocDefault));
   int32_t* p = static_cast<int32_t*>(host_block);
@@ -551,14 +653,45 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
   h_positions = h_tokens + T;
   h_seq_ids = h_positions + T;
   h_seq_lens = h_seq_ids + T;
-  h_tables = h_seq_lens + max_chunks;
-  h_forced = h_tables + static_cast<int64_t>(max_chunks) * max_blocks;
+  h_tables = h_seq_lens + seq_cap;
+  h_forced = h_tables + static_cast<int64_t>(seq_cap) * max_blocks;
   h_counts = h_forced + M64 * routes;
+  {
+    const uint64_t bytes = static_cast<uint64_t>(logit_rows) * V * 4;
+    const cudaError_t e = cudaHostAlloc(reinterpret_cast<void**>(&h_logits), bytes,
+                                        cudaHostAllocDefault);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      h_logits = nullptr;
+      return absl::ResourceExhaustedError(absl::StrCat("pinned host memory: logits of ",
+                                                       logit_rows, " rows (", FormatBytes(bytes),
+                                                       "): ", cudaGetErrorString(e)));
+    }
+  }
+  {
+    int buckets = 0;
+    for (int b = 1; b <= max_bucket; b <<= 1) ++buckets;
+    graphs = std::make_unique<graph_capture::GraphCache>(buckets);
+    graphs_on = opt.graphs;
+  }
+  if (opt.pin_hot_experts && M > 0) {
+    if (opt.cache_policy != moe_cache::kPolicyScored || opt.adapt_every < 1) {
+      return absl::InvalidArgumentError(
+          "pinning hot experts needs the scored policy and adapt_every >= 1");
+    }
+    moe_cache::PinningConfig pc;
+    pc.adapt_every = opt.adapt_every;
+    ASSIGN_OR_RETURN(moe_cache::HotPinner hp,
+                     moe_cache::HotPinner::Create(M, E, total_slots,
+                                                  std::min(E, rows_per_call * K), pc));
+    pinner = std::make_unique<moe_cache::HotPinner>(std::move(hp));
+    pinned_flags.assign(static_cast<size_t>(M) * E, 0);
+  }
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return absl::OkStatus();
 }
 
-absl::Status GpuModel::Impl::MoeBlock(const GpuLayer& lw, int rows, int* calls, int64_t* routes) {
+absl::Status GpuModel::Impl::MoeBlock(const GpuLayer& lw, int rows) {
   const ModelConfig& c = w->config;
   const int H = c.hidden_size, E = c.num_experts, K = c.num_experts_per_tok;
   CUstream_st* s = stream();
@@ -566,15 +699,14 @@ absl::Status GpuModel::Impl::MoeBlock(const GpuLayer& lw, int rows, int* calls, 
   int32_t* own_ids = route_ids + static_cast<int64_t>(lw.moe_index) * rows * K;
   const int32_t* ids = own_ids;
   if (routing != nullptr) {
+    // Forced ids (padding rows' are -1 already), weighted by the router's probabilities.
     ids = d_forced + static_cast<int64_t>(lw.moe_index) * rows * K;
     RETURN_IF_ERROR(LaunchForcedRouteWeights(router_logits, rows, E, ids, K, c.norm_topk_prob,
                                              route_w, s));
-    const int32_t* hf = h_forced + static_cast<int64_t>(lw.moe_index) * rows * K;
-    for (int64_t i = 0; i < static_cast<int64_t>(rows) * K; ++i) *routes += hf[i] >= 0;
   } else {
     RETURN_IF_ERROR(
         LaunchRouterTopK(router_logits, rows, E, K, c.norm_topk_prob, own_ids, route_w, s));
-    *routes += static_cast<int64_t>(rows) * K;
+    RETURN_IF_ERROR(LaunchMaskPaddedRoutes(own_ids, d_positions, rows, K, s));
   }
   const bool shared = !lw.shared_gate_up.empty();
   auto shared_expert = [&](CUstream_st*) -> absl::Status {
@@ -586,14 +718,17 @@ absl::Status GpuModel::Impl::MoeBlock(const GpuLayer& lw, int rows, int* calls, 
   };
   const RouteGrouping grouping =
       opt.deterministic ? RouteGrouping::kPerRoute : RouteGrouping::kAuto;
-  for (int r0 = 0; r0 < rows; r0 += rows_per_call) {
+  const int calls_per_layer = (rows + rows_per_call - 1) / rows_per_call;
+  for (int r0 = 0, call = 0; r0 < rows; r0 += rows_per_call, ++call) {
     const int n = std::min(rows_per_call, rows - r0);
-    if (*calls >= max_calls) return absl::InternalError("more ensure calls than planned");
-    int32_t* count = plan_counts + (*calls)++;
+    const int index = lw.moe_index * calls_per_layer + call;
+    if (index >= max_calls) return absl::InternalError("more ensure calls than planned");
+    int32_t* count = plan_counts + index;
     const int64_t at = static_cast<int64_t>(r0) * K;
     // The single writer of the slot map and the miss plan, on the compute stream.
     RETURN_IF_ERROR(moe_cache::LaunchEnsureExperts(cache->view(), lw.moe_index, ids + at, n * K,
-                                                   slot_ids + at, count, plan_entries + at, s));
+                                                   slot_ids + at, count, plan_entries + at, s,
+                                                   d_ensure_error));
     auto copy = [&](CUstream_st* cs) {
       return moe_cache::LaunchCopyMissing(desc, count, plan_entries + at, gather, cs);
     };
@@ -610,44 +745,132 @@ absl::Status GpuModel::Impl::MoeBlock(const GpuLayer& lw, int rows, int* calls, 
   return absl::OkStatus();
 }
 
-absl::Status GpuModel::Impl::RunPass(absl::Span<const ModelChunk> chunks,
-                                     const std::vector<Piece>& pieces, int row0, int total_rows,
-                                     std::vector<float>* out) {
+absl::Status GpuModel::Impl::StreamLayer(int m, int buf) {
+  CUstream_st* side = pair->side();
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side, consumed[buf], 0));
+  const moe_cache::BankLayout& lay = store->layout();
+  const int E = w->config.num_experts;
+  for (int b = 0; b < lay.num_banks(); ++b) {
+    const uint8_t* dst = lay.bank(b).name == "gate_up" ? stage[buf].gate_up
+                         : lay.bank(b).name == "down"  ? stage[buf].down
+                                                       : nullptr;
+    if (dst == nullptr) continue;
+    const uint64_t bytes = static_cast<uint64_t>(lay.bank(b).pitch) * E;
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(const_cast<uint8_t*>(dst),
+                                         store->expert_bank(m * E, b), bytes,
+                                         cudaMemcpyHostToDevice, side));
+  }
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(copied[buf], side));
+  return absl::OkStatus();
+}
+
+absl::Status GpuModel::Impl::StreamedMoeBlock(const GpuLayer& lw, int rows) {
   const ModelConfig& c = w->config;
-  const int H = c.hidden_size, nh = c.num_attention_heads, nkv = c.num_key_value_heads,
-            hd = c.head_dim, K = c.num_experts_per_tok, V = c.vocab_size, M = c.NumMoeLayers();
-  const int64_t Q = static_cast<int64_t>(nh) * hd;
+  const int H = c.hidden_size, E = c.num_experts, K = c.num_experts_per_tok,
+            M = c.NumMoeLayers();
   CUstream_st* s = stream();
-  // Inputs of the pass, staged in pinned memory (the previous pass has finished).
-  int rows = 0;
-  bool all_decode = true;
-  std::vector<int> sel_rows;
+  const int m = lw.moe_index, buf = m % 2;
+  RETURN_IF_ERROR(Gemm(lw.router, xb, rows, router_logits, false));
+  int32_t* ids = route_ids + static_cast<int64_t>(m) * rows * K;
+  if (routing != nullptr) {
+    ids = d_forced + static_cast<int64_t>(m) * rows * K;
+    RETURN_IF_ERROR(LaunchForcedRouteWeights(router_logits, rows, E, ids, K, c.norm_topk_prob,
+                                             route_w, s));
+  } else {
+    RETURN_IF_ERROR(
+        LaunchRouterTopK(router_logits, rows, E, K, c.norm_topk_prob, ids, route_w, s));
+  }
+  if (!lw.shared_gate_up.empty()) {
+    const int Is = lw.shared_gate_up.n / 2;
+    RETURN_IF_ERROR(Gemm(lw.shared_gate_up, xb, rows, mlp, false));
+    RETURN_IF_ERROR(LaunchSiluMul(mlp, rows, Is, nullptr, actb, s));
+    RETURN_IF_ERROR(Gemm(lw.shared_down, actb, rows, shared_out, false));
+    RETURN_IF_ERROR(Gemm(lw.shared_gate, xb, rows, gate_logit, false));
+  }
+  // The layer buffer holds expert e at slot e: the routed ids are the slot ids.
+  CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, copied[buf], 0));
+  const RouteGrouping grouping =
+      opt.deterministic ? RouteGrouping::kPerRoute : RouteGrouping::kAuto;
+  for (int r0 = 0; r0 < rows; r0 += rows_per_call) {
+    const int n = std::min(rows_per_call, rows - r0);
+    const int64_t at = static_cast<int64_t>(r0) * K;
+    RETURN_IF_ERROR(LaunchRoutedExperts(stage[buf], *expert_ws, n,
+                                        xn + static_cast<int64_t>(r0) * H, ids + at, route_w + at,
+                                        h + static_cast<int64_t>(r0) * H, s, grouping));
+  }
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(consumed[buf], s));
+  if (m + 2 < M) RETURN_IF_ERROR(StreamLayer(m + 2, buf));
+  if (!lw.shared_gate_up.empty()) {
+    RETURN_IF_ERROR(LaunchSharedExpertCombine(h, shared_out, gate_logit, rows, H, s));
+  }
+  return absl::OkStatus();
+}
+
+GpuModel::Impl::PassInputs GpuModel::Impl::StagePass(absl::Span<const ModelChunk> chunks,
+                                                     const std::vector<Piece>& pieces, int row0,
+                                                     int total_rows, int bucket) {
+  const ModelConfig& c = w->config;
+  const int K = c.num_experts_per_tok, M = c.NumMoeLayers();
+  PassInputs in;
+  in.all_decode = true;
   for (size_t p = 0; p < pieces.size(); ++p) {
     const Piece& pc = pieces[p];
     const ModelChunk& ch = chunks[pc.chunk];
+    const int r = in.rows;
     for (int i = 0; i < pc.count; ++i) {
-      h_tokens[rows + i] = ch.tokens[pc.offset + i];
-      h_positions[rows + i] = ch.start + pc.offset + i;
-      h_seq_ids[rows + i] = static_cast<int32_t>(p);
+      h_tokens[r + i] = ch.tokens[pc.offset + i];
+      h_positions[r + i] = ch.start + pc.offset + i;
+      h_seq_ids[r + i] = static_cast<int32_t>(p);
     }
     h_seq_lens[p] = ch.start + pc.offset + pc.count;
     int32_t* table = h_tables + static_cast<int64_t>(p) * max_blocks;
     const int nb = std::min<int>(max_blocks, ch.block_table->size());
     std::copy_n(ch.block_table->data(), nb, table);
     std::fill(table + nb, table + max_blocks, 0);
-    all_decode &= pc.count == 1;
+    in.all_decode &= pc.count == 1;
     int first = pc.count;
     if (ch.logits == ChunkLogits::kAll) first = 0;
     if (ch.logits == ChunkLogits::kLast && pc.last) first = pc.count - 1;
-    for (int i = first; i < pc.count; ++i) sel_rows.push_back(rows + i);
-    rows += pc.count;
+    for (int i = first; i < pc.count; ++i) in.sel_rows.push_back(r + i);
+    in.rows += pc.count;
   }
-  const int P = static_cast<int>(pieces.size());
+  in.real_rows = in.rows;
+  in.seqs = static_cast<int>(pieces.size());
+  in.streamed = bucket == 0 && stream_min_rows > 0 && in.rows >= stream_min_rows;
+  if (bucket > 0) {
+    // Padding rows: position -1 (no KV append, no rotation, no route), an empty sequence.
+    for (int p = in.seqs; p < bucket; ++p) {
+      h_tokens[p] = 0;
+      h_positions[p] = -1;
+      h_seq_ids[p] = p;
+      h_seq_lens[p] = 0;
+      std::fill_n(h_tables + static_cast<int64_t>(p) * max_blocks, max_blocks, 0);
+    }
+    in.rows = in.seqs = bucket;
+    in.bucket = true;
+  }
   if (routing != nullptr) {
     for (int m = 0; m < M; ++m) {
+      int32_t* dst = h_forced + static_cast<int64_t>(m) * in.rows * K;
       std::copy_n(forced.data() + (static_cast<int64_t>(m) * total_rows + row0) * K,
-                  static_cast<int64_t>(rows) * K, h_forced + static_cast<int64_t>(m) * rows * K);
+                  static_cast<int64_t>(in.real_rows) * K, dst);
+      std::fill(dst + static_cast<int64_t>(in.real_rows) * K,
+                dst + static_cast<int64_t>(in.rows) * K, -1);
     }
+  }
+  return in;
+}
+
+absl::Status GpuModel::Impl::EnqueuePass(absl::Span<const ModelChunk> chunks,
+                                         const std::vector<Piece>& pieces, const PassInputs& in,
+                                         std::vector<float>* out) {
+  const ModelConfig& c = w->config;
+  const int H = c.hidden_size, nh = c.num_attention_heads, hd = c.head_dim,
+            K = c.num_experts_per_tok, V = c.vocab_size, M = c.NumMoeLayers();
+  const int64_t Q = static_cast<int64_t>(nh) * hd;
+  const int rows = in.rows, P = in.seqs;
+  CUstream_st* s = stream();
+  if (routing != nullptr) {
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_forced, h_forced,
                                          static_cast<size_t>(M) * rows * K * 4,
                                          cudaMemcpyHostToDevice, s));
@@ -663,8 +886,13 @@ absl::Status GpuModel::Impl::RunPass(absl::Span<const ModelChunk> chunks,
                                        cudaMemcpyHostToDevice, s));
 
   RETURN_IF_ERROR(LaunchEmbeddingGather(embed.w, V, H, d_tokens, rows, h, s));
-  int calls = 0;
-  int64_t routes = 0;
+  if (in.streamed) {
+    // The first two MoE layers' experts start copying now (after the previous pass's reads).
+    for (int i = 0; i < 2; ++i) {
+      CUDA_RETURN_IF_ERROR(cudaEventRecord(consumed[i], s));
+      if (i < M) RETURN_IF_ERROR(StreamLayer(i, i));
+    }
+  }
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const GpuLayer& lw = layers[l];
     const PagedKvLayer& kvl = kv->layer(l);
@@ -677,7 +905,7 @@ absl::Status GpuModel::Impl::RunPass(absl::Span<const ModelChunk> chunks,
     qa.k = k;
     qa.num_tokens = rows;
     qa.num_q_heads = nh;
-    qa.num_kv_heads = nkv;
+    qa.num_kv_heads = c.num_key_value_heads;
     qa.head_dim = hd;
     qa.q_norm = lw.q_norm;
     qa.k_norm = lw.k_norm;
@@ -696,7 +924,7 @@ absl::Status GpuModel::Impl::RunPass(absl::Span<const ModelChunk> chunks,
     ka.block_tables = d_tables;
     ka.max_blocks_per_seq = max_blocks;
     RETURN_IF_ERROR(LaunchAppendKv(kvl, ka, s));
-    if (all_decode && !opt.deterministic) {
+    if (in.all_decode && !opt.deterministic) {
       DecodeArgs da;
       da.q = q;
       da.out = attn;
@@ -709,8 +937,9 @@ absl::Status GpuModel::Impl::RunPass(absl::Span<const ModelChunk> chunks,
     } else {
       int r = 0;
       for (int p = 0; p < P; ++p) {
-        const Piece& pc = pieces[p];
-        if (pc.count == 1) {
+        // Padding pieces of a bucket are single rows.
+        const int count = p < static_cast<int>(pieces.size()) ? pieces[p].count : 1;
+        if (count == 1) {
           DecodeArgs da;
           da.q = q + r * Q;
           da.out = attn + r * Q;
@@ -721,6 +950,7 @@ absl::Status GpuModel::Impl::RunPass(absl::Span<const ModelChunk> chunks,
           da.num_q_heads = nh;
           RETURN_IF_ERROR(LaunchDecodeAttention(kvl, da, *decode_ws, s));
         } else {
+          const Piece& pc = pieces[p];
           PrefillArgs pa;
           pa.q = q + r * Q;
           pa.out = attn + r * Q;
@@ -730,15 +960,16 @@ absl::Status GpuModel::Impl::RunPass(absl::Span<const ModelChunk> chunks,
           pa.num_q_heads = nh;
           RETURN_IF_ERROR(LaunchPrefillAttention(kvl, pa, s));
         }
-        r += pc.count;
+        r += count;
       }
     }
     RETURN_IF_ERROR(LaunchF32ToBf16(attn, rows * Q, attnb, s));
     RETURN_IF_ERROR(Gemm(lw.o, attnb, rows, h, /*accumulate=*/true));
-    RETURN_IF_ERROR(
-        LaunchRmsNorm(h, rows, H, lw.post_norm, c.rms_norm_eps, xn, xb, s));
-    if (lw.is_moe) {
-      RETURN_IF_ERROR(MoeBlock(lw, rows, &calls, &routes));
+    RETURN_IF_ERROR(LaunchRmsNorm(h, rows, H, lw.post_norm, c.rms_norm_eps, xn, xb, s));
+    if (lw.is_moe && in.streamed) {
+      RETURN_IF_ERROR(StreamedMoeBlock(lw, rows));
+    } else if (lw.is_moe) {
+      RETURN_IF_ERROR(MoeBlock(lw, rows));
     } else {
       const int I = lw.mlp_gate_up.n / 2;
       RETURN_IF_ERROR(Gemm(lw.mlp_gate_up, xb, rows, mlp, false));
@@ -746,57 +977,136 @@ absl::Status GpuModel::Impl::RunPass(absl::Span<const ModelChunk> chunks,
       RETURN_IF_ERROR(Gemm(lw.mlp_down, actb, rows, h, /*accumulate=*/true));
     }
   }
-  // Final norm and LM head for the wanted rows, logit_rows at a time.
-  for (size_t g0 = 0; g0 < sel_rows.size(); g0 += logit_rows) {
-    const int n = static_cast<int>(std::min<size_t>(logit_rows, sel_rows.size() - g0));
-    for (int i = 0; i < n;) {
-      int j = i + 1;
-      while (j < n && sel_rows[g0 + j] == sel_rows[g0 + j - 1] + 1) ++j;
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sel + static_cast<int64_t>(i) * H,
-                                           h + static_cast<int64_t>(sel_rows[g0 + i]) * H,
-                                           static_cast<size_t>(j - i) * H * 4,
-                                           cudaMemcpyDeviceToDevice, s));
-      i = j;
+  if (in.bucket) {
+    // Every row of the bucket (rows <= logit_rows), into pinned memory: capturable.
+    RETURN_IF_ERROR(LaunchRmsNorm(h, rows, H, final_norm, c.rms_norm_eps, nullptr, selb, s));
+    RETURN_IF_ERROR(Gemm(lm_head, selb, rows, logits, false));
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_logits, logits, static_cast<size_t>(rows) * V * 4,
+                                         cudaMemcpyDeviceToHost, s));
+  } else {
+    // Final norm and LM head for the wanted rows, logit_rows at a time.
+    for (size_t g0 = 0; g0 < in.sel_rows.size(); g0 += logit_rows) {
+      const int n = static_cast<int>(std::min<size_t>(logit_rows, in.sel_rows.size() - g0));
+      for (int i = 0; i < n;) {
+        int j = i + 1;
+        while (j < n && in.sel_rows[g0 + j] == in.sel_rows[g0 + j - 1] + 1) ++j;
+        CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sel + static_cast<int64_t>(i) * H,
+                                             h + static_cast<int64_t>(in.sel_rows[g0 + i]) * H,
+                                             static_cast<size_t>(j - i) * H * 4,
+                                             cudaMemcpyDeviceToDevice, s));
+        i = j;
+      }
+      RETURN_IF_ERROR(LaunchRmsNorm(sel, n, H, final_norm, c.rms_norm_eps, nullptr, selb, s));
+      RETURN_IF_ERROR(Gemm(lm_head, selb, n, logits, false));
+      const size_t base = out->size();
+      out->resize(base + static_cast<size_t>(n) * V);
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out->data() + base, logits,
+                                           static_cast<size_t>(n) * V * 4,
+                                           cudaMemcpyDeviceToHost, s));
     }
-    RETURN_IF_ERROR(LaunchRmsNorm(sel, n, H, final_norm, c.rms_norm_eps, nullptr, selb, s));
-    RETURN_IF_ERROR(Gemm(lm_head, selb, n, logits, false));
-    const size_t base = out->size();
-    out->resize(base + static_cast<size_t>(n) * V);
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out->data() + base, logits,
-                                         static_cast<size_t>(n) * V * 4, cudaMemcpyDeviceToHost,
-                                         s));
   }
+  const int calls = in.streamed ? 0 : CallsPerPass(rows);
   if (calls > 0) {
     CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(h_counts, plan_counts, calls * 4, cudaMemcpyDeviceToHost, s));
   }
   if (M > 0 && routing == nullptr) {
-    // The router's choices, for the distinct-expert count (forced ids are on the host already).
+    // The router's choices, for the statistics and the pinner (forced ids are on the host).
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_forced, route_ids,
                                          static_cast<size_t>(M) * rows * K * 4,
                                          cudaMemcpyDeviceToHost, s));
   }
+  return absl::OkStatus();
+}
+
+absl::Status GpuModel::Impl::FinishPass(const PassInputs& in, std::vector<float>* out) {
+  const ModelConfig& c = w->config;
+  const int K = c.num_experts_per_tok, V = c.vocab_size, M = c.NumMoeLayers(),
+            E = c.num_experts;
+  CUstream_st* s = stream();
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  stats.rows += rows;
-  stats.routes += routes;
+  if (M > 0) RETURN_IF_ERROR(moe_cache::TakeEnsureError(d_ensure_error, s));
+  if (in.bucket) {
+    for (int r : in.sel_rows) {
+      const size_t base = out->size();
+      out->resize(base + V);
+      std::memcpy(out->data() + base, h_logits + static_cast<size_t>(r) * V,
+                  static_cast<size_t>(V) * 4);
+    }
+  }
+  ++stats.passes;
+  stats.rows += in.real_rows;
+  const int calls = in.streamed ? 0 : CallsPerPass(in.rows);
   stats.ensure_calls += calls;
-  std::vector<uint8_t> seen(c.num_experts);
+  if (in.streamed) {
+    stats.streamed_layers += M;
+    stats.bytes_fetched += static_cast<uint64_t>(M) * E * store->bytes_per_expert();
+  }
+  std::vector<uint8_t> seen(E);
   for (int m = 0; m < M; ++m) {
     std::fill(seen.begin(), seen.end(), 0);
-    const int32_t* ids = h_forced + static_cast<int64_t>(m) * rows * K;
-    for (int64_t i = 0; i < static_cast<int64_t>(rows) * K; ++i) {
-      if (ids[i] >= 0 && ids[i] < c.num_experts && !seen[ids[i]]) {
+    const int32_t* ids = h_forced + static_cast<int64_t>(m) * in.rows * K;
+    const int64_t n = static_cast<int64_t>(in.real_rows) * K;
+    for (int64_t i = 0; i < n; ++i) {
+      if (ids[i] < 0 || ids[i] >= E) continue;
+      ++stats.routes;
+      if (!seen[ids[i]]) {
         seen[ids[i]] = 1;
         ++stats.distinct_experts;
       }
     }
+    if (pinner != nullptr) RETURN_IF_ERROR(pinner->Observe(m, absl::MakeConstSpan(ids, n)));
   }
   for (int i = 0; i < calls; ++i) {
     stats.misses += h_counts[i];
     stats.bytes_fetched += static_cast<uint64_t>(h_counts[i]) * store->bytes_per_expert();
   }
   return absl::OkStatus();
+}
+
+absl::Status GpuModel::Impl::RunPass(absl::Span<const ModelChunk> chunks,
+                                     const std::vector<Piece>& pieces, int row0, int total_rows,
+                                     std::vector<float>* out) {
+  bool decode = static_cast<int>(pieces.size()) <= max_bucket;
+  for (const Piece& pc : pieces) decode &= pc.count == 1;
+  int bucket = 0;
+  if (decode) {
+    // The same padded shape whether replayed or launched, so graph and eager agree bit for bit.
+    bucket = 1;
+    while (bucket < static_cast<int>(pieces.size())) bucket <<= 1;
+  }
+  const PassInputs in = StagePass(chunks, pieces, row0, total_rows, bucket);
+  if (bucket > 0 && graphs_on) {
+    if (graphs_forced != (routing != nullptr)) {
+      // Captured with the other routing source: capture again.
+      int buckets = 0;
+      for (int b = 1; b <= max_bucket; b <<= 1) ++buckets;
+      graphs = std::make_unique<graph_capture::GraphCache>(buckets);
+      graphs_forced = routing != nullptr;
+    }
+    if (!graphs->Contains(bucket)) {
+      if (fail_graph_after == 0) {
+        fail_graph_after = -1;
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "GPU memory: decode graph of batch bucket ", bucket,
+            ": cudaGraphInstantiate: out of memory (injected)"));
+      }
+      if (fail_graph_after > 0) --fail_graph_after;
+      ++stats.graph_captures;
+    }
+    absl::Status st = graphs->Replay(bucket, stream(), [&](int, CUstream_st*) {
+      return EnqueuePass(chunks, pieces, in, nullptr);
+    });
+    if (!st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("decode graph of batch bucket ", bucket, ": ",
+                                                  st.message()));
+    }
+    ++stats.graph_replays;
+  } else {
+    RETURN_IF_ERROR(EnqueuePass(chunks, pieces, in, out));
+  }
+  return FinishPass(in, out);
 }
 
 GpuModel::GpuModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -878,6 +1188,15 @@ absl::Status GpuModel::Forward(absl::Span<const ModelChunk> chunks, std::vector<
     }
   }
   if (!pass.empty()) RETURN_IF_ERROR(m.RunPass(chunks, pass, row0, rows, logits));
+  if (m.pinner != nullptr) {
+    // Between forwards (the stream is idle): the pinned policy's flag changes.
+    const std::vector<moe_cache::PinChange> changes = m.pinner->EndStep();
+    if (!changes.empty()) {
+      for (const moe_cache::PinChange& ch : changes) m.pinned_flags[ch.expert] = ch.pinned;
+      RETURN_IF_ERROR(m.cache->UploadPinned(m.pinned_flags.data()));
+      m.stats.pin_changes += static_cast<int64_t>(changes.size());
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -895,6 +1214,29 @@ const GpuMemoryPlan& GpuModel::plan() const { return impl_->plan; }
 const GpuCacheStats& GpuModel::stats() const { return impl_->stats; }
 void GpuModel::ResetStats() { impl_->stats = {}; }
 int GpuModel::total_slots() const { return impl_->total_slots; }
+int GpuModel::max_bucket() const { return impl_->max_bucket; }
+void GpuModel::InjectGraphOutOfMemory(int captures) { impl_->fail_graph_after = captures; }
+void GpuModel::set_graphs(bool on) { impl_->graphs_on = on; }
+bool GpuModel::graphs() const { return impl_->graphs_on; }
+int GpuModel::prefill_stream_min_rows() const { return impl_->stream_min_rows; }
+absl::Status GpuModel::ResetExpertCache() {
+  Impl& m = *impl_;
+  if (m.cache == nullptr) return absl::OkStatus();
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.stream()));
+  if (m.pinner != nullptr) {
+    moe_cache::PinningConfig pc;
+    pc.adapt_every = m.opt.adapt_every;
+    const ModelConfig& c = m.w->config;
+    ASSIGN_OR_RETURN(moe_cache::HotPinner hp,
+                     moe_cache::HotPinner::Create(c.NumMoeLayers(), c.num_experts, m.total_slots,
+                                                  std::min(c.num_experts,
+                                                           m.rows_per_call * c.num_experts_per_tok),
+                                                  pc));
+    *m.pinner = std::move(hp);
+    std::fill(m.pinned_flags.begin(), m.pinned_flags.end(), 0);
+  }
+  return m.cache->Reset();
+}
 
 #else  // !MOE_HAVE_CUDA
 
@@ -925,6 +1267,14 @@ const GpuMemoryPlan& GpuModel::plan() const { return impl_->plan; }
 const GpuCacheStats& GpuModel::stats() const { return impl_->stats; }
 void GpuModel::ResetStats() {}
 int GpuModel::total_slots() const { return 0; }
+int GpuModel::max_bucket() const { return 0; }
+void GpuModel::InjectGraphOutOfMemory(int) {}
+void GpuModel::set_graphs(bool) {}
+bool GpuModel::graphs() const { return false; }
+int GpuModel::prefill_stream_min_rows() const { return 0; }
+absl::Status GpuModel::ResetExpertCache() {
+  return absl::UnavailableError("GPU model: built without CUDA");
+}
 
 #endif  // MOE_HAVE_CUDA
 

@@ -67,6 +67,14 @@ struct GpuModelOptions {
   // Capture each all-decode pass of up to max_batch sequences as a CUDA graph per batch bucket
   // (1, 2, 4, ...: the batch is padded to its bucket) and replay it; false: eager launches.
   bool graphs = true;
+  // Prefill expert streaming: a pass of at least prefill_stream_min_rows rows (0: 4 x experts /
+  // top_k, where nearly every expert of a layer is routed to) does not go through the cache;
+  // each MoE layer's experts are copied whole from host memory into one of two layer buffers
+  // on the side stream, two layers ahead of the compute that reads them, so the copy overlaps
+  // compute and the decode cache keeps its experts. Costs two layers of experts of GPU memory
+  // (planned as scratch; left off when that does not fit or every expert is resident).
+  bool prefill_stream = true;
+  int prefill_stream_min_rows = 0;
   // The miss copy on the side stream beside the shared expert (moe_overlap); the environment
   // switch MOE_DECODE_SHARED_OVERLAP=0|1 overrides it.
   bool overlap = true;
@@ -84,6 +92,12 @@ struct GpuCacheStats {
   int64_t distinct_experts = 0;
   int64_t ensure_calls = 0;
   uint64_t bytes_fetched = 0;  // misses x the store's payload bytes per expert
+  int64_t passes = 0;
+  int64_t graph_replays = 0;   // passes replayed from a captured decode graph
+  int64_t graph_captures = 0;  // decode buckets captured (each once unless routing changes)
+  int64_t pin_changes = 0;     // pinned-expert flags changed by the pinned policy
+  int64_t streamed_layers = 0;  // MoE layers of prefill passes streamed whole (their bytes are
+                                // in bytes_fetched, not in misses)
 };
 
 class GpuModel final : public ForwardModel {
@@ -114,6 +128,23 @@ class GpuModel final : public ForwardModel {
   void ResetStats();
   // Slots in the pool (all MoE layers share it).
   int total_slots() const;
+  // Largest decode bucket (batch sizes 1, 2, 4, ... up to it are padded and run as one shape,
+  // captured as a graph when options.graphs).
+  int max_bucket() const;
+  // Decode buckets replayed from graphs (true) or launched eagerly; the same kernels and shapes
+  // either way. Starts as options.graphs.
+  void set_graphs(bool on);
+  bool graphs() const;
+  // Empties the expert cache (every slot free, pinned flags cleared) in place, between
+  // forwards: for benchmarks that compare modes from the same cold start.
+  absl::Status ResetExpertCache();
+  // Rows from which a pass streams its experts (0: streaming off).
+  int prefill_stream_min_rows() const;
+
+  // Test hook: the capture of the decode bucket after `captures` more successful ones fails as
+  // an out-of-memory of cudaGraphInstantiate would (ResourceExhausted, the pass not run); -1
+  // turns it off. Graph instantiation is the engine's only device allocation after Create.
+  void InjectGraphOutOfMemory(int captures);
 
   struct Impl;
 

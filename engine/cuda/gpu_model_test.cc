@@ -5,9 +5,15 @@
 //   - teacher-forced logits of every HF fixture under engine/testdata against transformers and
 //     against the CPU Model;
 //   - greedy tokens identical across expert budgets of top_k, half and all experts per layer
-//     (the cache's state never changes outputs), with misses counted;
+//     (the cache's state never changes outputs), with misses counted; and on random models of
+//     both families (qwen3_moe, qwen2_moe with its shared expert) across budgets of 10%, 50% and
+//     100% of the experts, the miss copy beside the shared expert or not, and decode replayed
+//     from captured graphs or launched eagerly, plus the pinned policy;
+//   - a batch split into several passes gives the logits of the same batch in one pass;
 //   - deterministic mode: batched logits bit-identical to solo ones;
-//   - start-up failures: a budget or KV cache that does not fit is a clear error.
+//   - start-up failures: a budget or KV cache that does not fit is a clear error; an
+//     out-of-memory mid-run (a decode graph's instantiation) is a clear error and the model
+//     keeps serving.
 #include "engine/cuda/gpu_model.h"
 
 #include <algorithm>
@@ -21,14 +27,17 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/gpu_test_util.h"
 #include "common/npy.h"
+#include "common/status.h"
 #include "common/thread_pool.h"
 #include "engine/cpu_expert_backend.h"
 #include "engine/forward_model.h"
 #include "engine/kv_cache.h"
 #include "engine/loader.h"
 #include "engine/model.h"
+#include "engine/random_model.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -284,39 +293,67 @@ TEST(GpuModelTest, HfFixturesMatchTransformersAndCpu) {
     int longest = 1;
     for (const auto& p : prompts) longest = std::max<int>(longest, p.size());
     const int ctx = (longest + kBlock - 1) / kBlock * kBlock;
-    GpuModelOptions o = SmallOptions(ctx);
-    o.max_batch = static_cast<int>(prompts.size());
-    o.kv_blocks = static_cast<int>(prompts.size()) * ctx / kBlock;
-    auto gm = GpuModel::Create(w.get(), w->experts.get(), o);
-    ASSERT_TRUE(gm.ok()) << gm.status();
-    CpuRef cpu(*w, ctx, o.kv_blocks);
-    KvBlockAllocator alloc(o.kv_blocks, kBlock);
-    std::vector<std::vector<int32_t>> tables(prompts.size());
-    std::vector<ModelChunk> chunks;
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      ASSERT_TRUE(alloc.Allocate((static_cast<int>(prompts[i].size()) + kBlock - 1) / kBlock,
-                                 &tables[i]));
-      chunks.push_back({prompts[i], 0, &tables[i], ChunkLogits::kAll});
-    }
-    std::vector<float> got, want_cpu;
-    ASSERT_TRUE((*gm)->Forward(chunks, &got).ok());
-    ASSERT_TRUE(cpu.model->Forward(chunks, cpu.kv.get(), &want_cpu).ok());
-    EXPECT_TRUE(AllFinite(got));
-    size_t row = 0;
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      auto npy = common::ReadNpy((dir / ("logits_" + std::to_string(i) + ".npy")).string());
-      ASSERT_TRUE(npy.ok()) << npy.status();
-      const size_t n = prompts[i].size() * c.vocab_size;
-      ASSERT_EQ(npy->f32.size(), n);
-      const std::vector<float> g(got.begin() + row, got.begin() + row + n);
-      const std::vector<float> cw(want_cpu.begin() + row, want_cpu.begin() + row + n);
-      const double vs_hf = RelDiff(g, npy->f32), vs_cpu = RelDiff(g, cw);
-      std::printf("%s prompt %zu: GPU vs transformers %.3g, GPU vs CPU (bf16 dense) %.3g\n",
-                  dir.filename().c_str(), i, vs_hf, vs_cpu);
-      // bf16 weights and activations on the GPU, whatever the checkpoint's dtype.
-      EXPECT_LE(vs_hf, 3e-2) << "prompt " << i;
-      EXPECT_LE(vs_cpu, 2e-2) << "prompt " << i;
-      row += n;
+    // The batch as the engine would run it (passes of 64 rows), in one pass, deterministic
+    // (per-row kernels), and each prompt alone.
+    const char* kModes[] = {"batched", "one pass", "deterministic", "solo"};
+    for (int mode = 0; mode < 4; ++mode) {
+      SCOPED_TRACE(kModes[mode]);
+      GpuModelOptions o = SmallOptions(ctx);
+      o.max_batch = static_cast<int>(prompts.size());
+      o.kv_blocks = static_cast<int>(prompts.size()) * ctx / kBlock;
+      if (mode == 1) o.max_step_tokens = 256;
+      o.deterministic = mode == 2;
+      auto gm = GpuModel::Create(w.get(), w->experts.get(), o);
+      ASSERT_TRUE(gm.ok()) << gm.status();
+      CpuRef cpu(*w, ctx, o.kv_blocks);
+      KvBlockAllocator alloc(o.kv_blocks, kBlock);
+      std::vector<std::vector<int32_t>> tables(prompts.size());
+      std::vector<ModelChunk> chunks;
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        ASSERT_TRUE(alloc.Allocate((static_cast<int>(prompts[i].size()) + kBlock - 1) / kBlock,
+                                   &tables[i]));
+        chunks.push_back({prompts[i], 0, &tables[i], ChunkLogits::kAll});
+      }
+      std::vector<float> got, want_cpu;
+      if (mode == 3) {
+        for (const ModelChunk& ch : chunks) ASSERT_TRUE((*gm)->Forward({&ch, 1}, &got).ok());
+      } else {
+        ASSERT_TRUE((*gm)->Forward(chunks, &got).ok());
+      }
+      ASSERT_TRUE(cpu.model->Forward(chunks, cpu.kv.get(), &want_cpu).ok());
+      EXPECT_TRUE(AllFinite(got));
+      size_t row = 0;
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        auto npy = common::ReadNpy((dir / ("logits_" + std::to_string(i) + ".npy")).string());
+        ASSERT_TRUE(npy.ok()) << npy.status();
+        const size_t n = prompts[i].size() * c.vocab_size;
+        ASSERT_EQ(npy->f32.size(), n);
+        const std::vector<float> g(got.begin() + row, got.begin() + row + n);
+        const std::vector<float> cw(want_cpu.begin() + row, want_cpu.begin() + row + n);
+        const double vs_hf = RelDiff(g, npy->f32), vs_cpu = RelDiff(g, cw);
+        // The token whose logits differ most from the CPU's.
+        size_t worst = 0;
+        double worst_d = -1;
+        for (size_t t = 0; t < prompts[i].size(); ++t) {
+          double d = 0;
+          for (int v = 0; v < c.vocab_size; ++v) {
+            d = std::max(d, static_cast<double>(std::abs(g[t * c.vocab_size + v] -
+                                                         cw[t * c.vocab_size + v])));
+          }
+          if (d > worst_d) {
+            worst_d = d;
+            worst = t;
+          }
+        }
+        std::printf("%s %s prompt %zu: GPU vs transformers %.3g, GPU vs CPU (bf16 dense) %.3g "
+                    "(worst at token %zu of %zu)\n",
+                    dir.filename().c_str(), kModes[mode], i, vs_hf, vs_cpu, worst,
+                    prompts[i].size());
+        // bf16 weights and activations on the GPU, whatever the checkpoint's dtype.
+        EXPECT_LE(vs_hf, 3e-2) << "prompt " << i;
+        EXPECT_LE(vs_cpu, 2e-2) << "prompt " << i;
+        row += n;
+      }
     }
   }
 }
@@ -388,6 +425,250 @@ TEST(GpuModelTest, DeterministicBatchedEqualsSolo) {
     }
   }
   EXPECT_EQ(differing, 0) << "logits rows that differ between batched and solo";
+}
+
+// A batch whose rows exceed one pass (max_step_tokens) gives the logits of one pass, within
+// the rounding of different GEMM shapes, and each prompt matches the CPU reference.
+TEST(GpuModelTest, PassSplitMatchesOnePass) {
+  MOE_SKIP_WITHOUT_GPU();
+  auto w = Load(DefaultModelDir(), common::WeightFormat::kBf16);
+  ASSERT_NE(w, nullptr);
+  const int V = w->config.vocab_size;
+  // As the qwen3_gqa fixture: a one-token prompt first, the split after the third prompt.
+  const std::vector<std::vector<int32_t>> prompts = {Prompt(1, 4, V), Prompt(9, 5, V),
+                                                     Prompt(23, 6, V), Prompt(40, 7, V)};
+  const int ctx = 64;
+  std::map<int, std::vector<float>> got;
+  for (int step_tokens : {64, 128}) {
+    GpuModelOptions o = SmallOptions(ctx);
+    o.max_batch = 4;
+    o.max_step_tokens = step_tokens;
+    o.kv_blocks = 4 * ctx / kBlock;
+    auto gm = GpuModel::Create(w.get(), w->experts.get(), o);
+    ASSERT_TRUE(gm.ok()) << gm.status();
+    KvBlockAllocator alloc(o.kv_blocks, kBlock);
+    std::vector<std::vector<int32_t>> tables(prompts.size());
+    std::vector<ModelChunk> chunks;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      ASSERT_TRUE(alloc.Allocate(ctx / kBlock, &tables[i]));
+      chunks.push_back({prompts[i], 0, &tables[i], ChunkLogits::kAll});
+    }
+    ASSERT_TRUE((*gm)->Forward(chunks, &got[step_tokens]).ok());
+    EXPECT_EQ((*gm)->stats().passes, step_tokens == 64 ? 2 : 1);
+  }
+  ASSERT_EQ(got[64].size(), got[128].size());
+  size_t row = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const size_t n = prompts[i].size() * V;
+    const std::vector<float> a(got[64].begin() + row, got[64].begin() + row + n);
+    const std::vector<float> b(got[128].begin() + row, got[128].begin() + row + n);
+    const double d = RelDiff(a, b);
+    std::printf("prompt %zu (%zu tokens): two passes vs one %.3g\n", i, prompts[i].size(), d);
+    EXPECT_LE(d, 1e-2) << "prompt " << i;
+    row += n;
+  }
+}
+
+ModelConfig RandomConfig(bool qwen2) {
+  ModelConfig c;
+  c.model_type = qwen2 ? "qwen2_moe" : "qwen3_moe";
+  c.vocab_size = 512;
+  c.hidden_size = 128;
+  c.intermediate_size = 256;
+  c.moe_intermediate_size = 64;
+  c.shared_expert_intermediate_size = qwen2 ? 128 : 0;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 32;
+  c.rms_norm_eps = 1e-6f;
+  c.rope_theta = 10000.0;
+  c.max_position_embeddings = 256;
+  c.num_experts = 64;
+  c.num_experts_per_tok = 4;
+  c.norm_topk_prob = !qwen2;
+  c.attention_bias = qwen2;
+  c.tie_word_embeddings = false;
+  return c;
+}
+
+// The same greedy tokens whatever the cache holds (10%, 50%, 100% of the experts), whether the
+// miss copy runs beside the shared expert or not, and whether decode steps replay captured
+// graphs or launch eagerly; decode batches of 1, 2 and 3 sequences (buckets 1, 2, 4).
+TEST(GpuModelTest, GreedyIdenticalAcrossBudgetsOverlapAndGraphs) {
+  MOE_SKIP_WITHOUT_GPU();
+  for (bool qwen2 : {false, true}) {
+    const ModelConfig c = RandomConfig(qwen2);
+    SCOPED_TRACE(c.model_type);
+    RandomModelOptions ro;
+    ro.dense_dtype = DType::kBf16;
+    ro.seed = 7;
+    auto rm = MakeRandomModel(c, ro);
+    ASSERT_TRUE(rm.ok()) << rm.status();
+    auto store = ExpertStoreFromBanks(rm->banks);
+    ASSERT_TRUE(store.ok()) << store.status();
+    const int E = c.num_experts, M = c.NumMoeLayers();
+    const uint64_t slot_bytes = (*store)->layout().padded_bytes_per_expert();
+    const std::vector<std::vector<int32_t>> prompts = {Prompt(21, 1, c.vocab_size),
+                                                       Prompt(3, 2, c.vocab_size),
+                                                       Prompt(12, 3, c.vocab_size)};
+    std::vector<std::vector<int32_t>> reference;
+    std::string reference_name;
+    for (int percent : {10, 50, 100}) {
+      const int slots = std::max(c.num_experts_per_tok, E * percent / 100);
+      for (bool overlap : {true, false}) {
+        for (bool graphs : {true, false}) {
+          const std::string name = absl::StrCat(percent, "% (", slots, " slots/layer), overlap ",
+                                                overlap ? "on" : "off", ", ",
+                                                graphs ? "graphs" : "eager");
+          SCOPED_TRACE(name);
+          GpuModelOptions o = SmallOptions(128);
+          o.overlap = overlap;
+          o.graphs = graphs;
+          o.expert_budget_gib = static_cast<double>(static_cast<uint64_t>(slots) * M * slot_bytes) /
+                                static_cast<double>(uint64_t{1} << 30);
+          auto gm = GpuModel::Create(rm->weights.get(), store->get(), o);
+          ASSERT_TRUE(gm.ok()) << gm.status();
+          ASSERT_EQ((*gm)->plan().slots_per_layer, slots);
+          // All three together, then the first two, then the first alone.
+          GreedyRun r = Greedy(**gm, prompts, 12, /*batched=*/true);
+          const GreedyRun r2 = Greedy(**gm, {prompts[0], prompts[1]}, 6, true);
+          const GreedyRun r1 = Greedy(**gm, {prompts[0]}, 6, true);
+          r.tokens.insert(r.tokens.end(), r2.tokens.begin(), r2.tokens.end());
+          r.tokens.insert(r.tokens.end(), r1.tokens.begin(), r1.tokens.end());
+          const GpuCacheStats& st = (*gm)->stats();
+          std::printf("%s %s: %lld misses of %lld routes, %lld graph replays, %lld captures\n",
+                      c.model_type.c_str(), name.c_str(), static_cast<long long>(st.misses),
+                      static_cast<long long>(st.routes), static_cast<long long>(st.graph_replays),
+                      static_cast<long long>(st.graph_captures));
+          if (graphs) {
+            EXPECT_EQ(st.graph_captures, 3);  // buckets 1, 2 and 4
+            EXPECT_GT(st.graph_replays, 20);
+          } else {
+            EXPECT_EQ(st.graph_replays, 0);
+          }
+          if (percent < 100) {
+            EXPECT_GT(st.misses, static_cast<int64_t>(M) * slots);
+          }
+          if (reference.empty()) {
+            reference = r.tokens;
+            reference_name = name;
+          } else {
+            EXPECT_EQ(r.tokens, reference) << "differs from " << reference_name;
+          }
+        }
+      }
+    }
+    // The pinned policy changes what stays resident, never the tokens.
+    GpuModelOptions o = SmallOptions(128);
+    o.pin_hot_experts = true;
+    o.adapt_every = 2;
+    o.expert_budget_gib = static_cast<double>(static_cast<uint64_t>(E / 2) * M * slot_bytes) /
+                          static_cast<double>(uint64_t{1} << 30);
+    auto gm = GpuModel::Create(rm->weights.get(), store->get(), o);
+    ASSERT_TRUE(gm.ok()) << gm.status();
+    GreedyRun r = Greedy(**gm, prompts, 12, true);
+    const GreedyRun r2 = Greedy(**gm, {prompts[0], prompts[1]}, 6, true);
+    const GreedyRun r1 = Greedy(**gm, {prompts[0]}, 6, true);
+    r.tokens.insert(r.tokens.end(), r2.tokens.begin(), r2.tokens.end());
+    r.tokens.insert(r.tokens.end(), r1.tokens.begin(), r1.tokens.end());
+    EXPECT_GT((*gm)->stats().pin_changes, 0);
+    EXPECT_EQ(r.tokens, reference) << "pinned policy";
+  }
+}
+
+// A long prefill pass streams each layer's experts whole through the double buffer instead of
+// the cache: the same logits and tokens as through the cache, and the cache is left alone.
+TEST(GpuModelTest, PrefillStreamingMatchesTheCache) {
+  MOE_SKIP_WITHOUT_GPU();
+  const ModelConfig c = RandomConfig(/*qwen2=*/true);
+  RandomModelOptions ro;
+  ro.dense_dtype = DType::kBf16;
+  ro.seed = 11;
+  auto rm = MakeRandomModel(c, ro);
+  ASSERT_TRUE(rm.ok()) << rm.status();
+  auto store = ExpertStoreFromBanks(rm->banks);
+  ASSERT_TRUE(store.ok()) << store.status();
+  const uint64_t slot_bytes = (*store)->layout().padded_bytes_per_expert();
+  const std::vector<std::vector<int32_t>> prompts = {Prompt(40, 8, c.vocab_size),
+                                                     Prompt(30, 9, c.vocab_size)};
+  std::vector<GreedyRun> runs;
+  for (bool stream : {true, false}) {
+    GpuModelOptions o = SmallOptions(128);
+    o.prefill_stream = stream;
+    o.prefill_stream_min_rows = 16;
+    o.expert_budget_gib = static_cast<double>(uint64_t{16} * c.NumMoeLayers() * slot_bytes) /
+                          static_cast<double>(uint64_t{1} << 30);
+    auto gm = GpuModel::Create(rm->weights.get(), store->get(), o);
+    ASSERT_TRUE(gm.ok()) << gm.status();
+    EXPECT_EQ((*gm)->prefill_stream_min_rows(), stream ? 16 : 0);
+    runs.push_back(Greedy(**gm, prompts, 6, true));
+    const GpuCacheStats& st = (*gm)->stats();
+    std::printf("streaming %s: %lld layers streamed, %lld misses, %.3f GB fetched\n",
+                stream ? "on" : "off", static_cast<long long>(st.streamed_layers),
+                static_cast<long long>(st.misses), st.bytes_fetched / 1e9);
+    if (stream) {
+      // The prefill's passes (70 rows in passes of at most 64), not the decode steps.
+      EXPECT_EQ(st.streamed_layers, 2 * c.NumMoeLayers());
+    } else {
+      EXPECT_EQ(st.streamed_layers, 0);
+    }
+  }
+  EXPECT_EQ(runs[0].tokens, runs[1].tokens);
+  ASSERT_EQ(runs[0].logits.size(), runs[1].logits.size());
+  double worst = 0;
+  for (size_t i = 0; i < runs[0].logits.size(); ++i) {
+    worst = std::max(worst, RelDiff(runs[0].logits[i], runs[1].logits[i]));
+  }
+  std::printf("streamed vs cached prefill and decode logits: %.3g\n", worst);
+  EXPECT_LE(worst, 1e-5);
+}
+
+// An out-of-memory after start-up: the instantiation of a new decode bucket's graph fails. The
+// Forward that needed it returns ResourceExhausted naming it (no hang), and the model keeps
+// serving: the next Forward captures the bucket and gives the logits of an eager model.
+TEST(GpuModelTest, OutOfMemoryMidRunIsAClearError) {
+  MOE_SKIP_WITHOUT_GPU();
+  auto w = Load(DefaultModelDir(), common::WeightFormat::kBf16);
+  ASSERT_NE(w, nullptr);
+  GpuModelOptions o = SmallOptions(128);
+  auto gm = GpuModel::Create(w.get(), w->experts.get(), o);
+  o.graphs = false;
+  auto eager = GpuModel::Create(w.get(), w->experts.get(), o);
+  ASSERT_TRUE(gm.ok() && eager.ok());
+  const int V = w->config.vocab_size;
+  const std::vector<int32_t> p0 = Prompt(9, 1, V), p1 = Prompt(5, 2, V);
+  KvBlockAllocator alloc((*gm)->kv_blocks(), kBlock);
+  std::vector<int32_t> t0, t1;
+  ASSERT_TRUE(alloc.Allocate(2, &t0) && alloc.Allocate(2, &t1));
+  auto run = [&](GpuModel& m, std::vector<float>* logits) -> absl::Status {
+    // Prefill both, one decode step of the first (bucket 1), then of both (bucket 2).
+    std::vector<ModelChunk> pre = {{p0, 0, &t0, ChunkLogits::kLast},
+                                   {p1, 0, &t1, ChunkLogits::kLast}};
+    std::vector<float> ignored;
+    RETURN_IF_ERROR(m.Forward(pre, &ignored));
+    const std::vector<int32_t> d = {3}, e = {4};
+    ModelChunk one{d, 9, &t0, ChunkLogits::kLast};
+    RETURN_IF_ERROR(m.Forward({&one, 1}, &ignored));
+    std::vector<ModelChunk> two = {{e, 10, &t0, ChunkLogits::kLast},
+                                   {d, 5, &t1, ChunkLogits::kLast}};
+    return m.Forward(two, logits);
+  };
+  (*gm)->InjectGraphOutOfMemory(1);  // bucket 1 captures, bucket 2 fails
+  std::vector<float> logits;
+  const absl::Status st = run(**gm, &logits);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_NE(st.message().find("decode graph of batch bucket 2"), std::string::npos) << st;
+  EXPECT_EQ((*gm)->stats().graph_captures, 1);
+  // Serving goes on (the same positions are simply written again).
+  std::vector<float> want;
+  ASSERT_TRUE(run(**gm, &logits).ok());
+  ASSERT_TRUE(run(**eager, &want).ok());
+  EXPECT_EQ((*gm)->stats().graph_captures, 2);
+  ASSERT_EQ(logits.size(), want.size());
+  EXPECT_EQ(std::memcmp(logits.data(), want.data(), logits.size() * 4), 0)
+      << "graph replay differs from eager launches";
 }
 
 TEST(GpuModelTest, StartFailuresAreClearErrors) {

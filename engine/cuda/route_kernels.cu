@@ -48,7 +48,31 @@ __global__ void ForcedRouteWeightsKernel(const float* __restrict__ logits, int n
   }
 }
 
+__global__ void MaskPaddedRoutesKernel(int32_t* __restrict__ ids,
+                                       const int32_t* __restrict__ positions, int num_ids,
+                                       int top_k) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < num_ids && positions[i / top_k] < 0) ids[i] = -1;
+}
+
 }  // namespace
+
+absl::Status LaunchMaskPaddedRoutes(int32_t* ids, const int32_t* positions, int num_tokens,
+                                    int top_k, CUstream_st* stream) {
+  if (num_tokens < 0 || top_k <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mask padded routes: tokens ", num_tokens, ", k ", top_k));
+  }
+  if (num_tokens == 0) return absl::OkStatus();
+  const int n = num_tokens * top_k;
+  MaskPaddedRoutesKernel<<<(n + 255) / 256, 256, 0, stream>>>(ids, positions, n, top_k);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat("MaskPaddedRoutesKernel launch: ", cudaGetErrorString(e)));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status LaunchForcedRouteWeights(const float* logits, int num_tokens, int num_experts,
                                       const int32_t* ids, int top_k, bool renormalize,

@@ -1,5 +1,6 @@
 // Routing kernels of the GPU model that //engine/cuda/ops does not have: the routing override's
-// weights (engine/routing_override.h's ForcedRouteWeights on the device). One launch on a given
+// weights (engine/routing_override.h's ForcedRouteWeights on the device) and the masking of
+// padding rows' routes. One launch on a given
 // stream; no allocation, no synchronization, a grid that depends only on the sizes (capturable).
 // Plain C++ header: no CUDA includes; without CUDA the launch returns Unavailable.
 #ifndef MOE_ENGINE_CUDA_ROUTE_KERNELS_H_
@@ -21,6 +22,11 @@ namespace moe::engine::gpu {
 absl::Status LaunchForcedRouteWeights(const float* logits, int num_tokens, int num_experts,
                                       const int32_t* ids, int top_k, bool renormalize,
                                       float* weights, CUstream_st* stream);
+
+// Padding rows of a batch bucket: ids[t, j] = -1 for every token t whose positions[t] < 0, so
+// padding rows route nowhere (no slot, no miss, no expert work). ids: int32 [num_tokens, top_k].
+absl::Status LaunchMaskPaddedRoutes(int32_t* ids, const int32_t* positions, int num_tokens,
+                                    int top_k, CUstream_st* stream);
 
 }  // namespace moe::engine::gpu
 

@@ -8,4 +8,8 @@ absl::Status LaunchForcedRouteWeights(const float*, int, int, const int32_t*, in
   return absl::UnavailableError("forced route weights: built without CUDA");
 }
 
+absl::Status LaunchMaskPaddedRoutes(int32_t*, const int32_t*, int, int, CUstream_st*) {
+  return absl::UnavailableError("mask padded routes: built without CUDA");
+}
+
 }  // namespace moe::engine::gpu

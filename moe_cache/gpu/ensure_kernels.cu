@@ -203,14 +203,21 @@ absl::StatusOr<std::unique_ptr<DeviceCacheState>> DeviceCacheState::Create(
   v.num_slots = num_slots;
   v.params = params;
 
-  // Initial state, built on the host and copied once.
+  RETURN_IF_ERROR(state->Reset());
+  return state;
+}
+
+absl::Status DeviceCacheState::Reset() {
+  // The initial state, built on the host and copied over the arrays in place.
+  const uint64_t experts = static_cast<uint64_t>(view_.num_layers) * view_.num_experts;
+  const Offsets o = ComputeOffsets(experts, view_.num_slots);
   std::vector<uint8_t> init(o.total, 0);
-  std::memset(init.data() + o.slot_of, 0xff, experts * 4);          // -1: not resident
-  std::memset(init.data() + o.expert_of_slot, 0xff, num_slots * 4);  // -1: free
+  std::memset(init.data() + o.slot_of, 0xff, experts * 4);                // -1: not resident
+  std::memset(init.data() + o.expert_of_slot, 0xff, view_.num_slots * 4);  // -1: free
   const uint32_t one = 1;
   std::memcpy(init.data() + o.counter, &one, 4);
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(state->block_, init.data(), o.total, cudaMemcpyHostToDevice));
-  return state;
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(block_, init.data(), o.total, cudaMemcpyHostToDevice));
+  return absl::OkStatus();
 }
 
 DeviceCacheState::~DeviceCacheState() {

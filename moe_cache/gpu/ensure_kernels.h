@@ -36,6 +36,10 @@ class DeviceCacheState {
   // The device-side view the kernel takes (pointers into device memory).
   const CacheStateView& view() const { return view_; }
 
+  // Back to the state Create made (every slot free, nothing pinned), in place: the view's
+  // addresses, and graphs captured with them, stay valid. Synchronous; between steps.
+  absl::Status Reset();
+
   // Copies every array from / to a host view of the same shape (synchronous; not for the decode
   // loop: for tests, checkpoints and the host pinner, which only writes `pinned`).
   absl::Status Upload(const CacheStateView& host);

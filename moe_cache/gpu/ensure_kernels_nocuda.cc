@@ -19,6 +19,10 @@ absl::Status DeviceCacheState::Download(const CacheStateView&) const {
   return absl::UnavailableError("ensure_experts: built without CUDA");
 }
 
+absl::Status DeviceCacheState::Reset() {
+  return absl::UnavailableError("moe_cache ensure kernels: built without CUDA");
+}
+
 absl::Status DeviceCacheState::UploadPinned(const uint8_t*) {
   return absl::UnavailableError("ensure_experts: built without CUDA");
 }
