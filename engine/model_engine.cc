@@ -140,6 +140,7 @@ class ModelEngine final : public Engine {
   // The GPU model's expert store when the parts' weights hold none (models made in memory).
   std::unique_ptr<moe_cache::ExpertStore> store_;
   std::unique_ptr<ForwardModel> model_;
+  const gpu::GpuModel* gpu_model_ = nullptr;  // model_'s GPU model (its cache counters), if any
   std::unique_ptr<KvBlockAllocator> kv_;
   size_t max_stop_len_ = 0;
 
@@ -184,7 +185,10 @@ absl::Status ModelEngine::Init() {
     go.adapt_every = options_.gpu.adapt_every;
     go.graphs = options_.gpu.graphs;
     go.deterministic = options_.deterministic;
-    ASSIGN_OR_RETURN(model_, gpu::GpuModel::Create(parts_.weights, store, go));
+    ASSIGN_OR_RETURN(std::unique_ptr<gpu::GpuModel> gm,
+                     gpu::GpuModel::Create(parts_.weights, store, go));
+    gpu_model_ = gm.get();
+    model_ = std::move(gm);
   } else {
     int blocks = options_.kv_blocks;
     const uint64_t block_bytes =
@@ -546,6 +550,14 @@ void ModelEngine::UpdateOccupancy() {
   stats_.running = static_cast<int>(running_.size());
   stats_.waiting = static_cast<int>(waiting_.size() + incoming_.size());
   stats_.kv_blocks_used = kv_->used_blocks();
+  if (gpu_model_ != nullptr) {
+    // Routed (layer, token, expert) uses that went through the cache: those that found their
+    // expert in a slot, and misses (prefill passes that streamed their experts are neither).
+    const gpu::GpuCacheStats& g = gpu_model_->stats();
+    stats_.expert_cache_misses = static_cast<uint64_t>(g.misses);
+    stats_.expert_cache_hits =
+        static_cast<uint64_t>(std::max<int64_t>(0, g.routes - g.streamed_routes - g.misses));
+  }
 }
 
 int DefaultMaxContext(const ModelConfig& c, int requested) {

@@ -1051,6 +1051,7 @@ absl::Status GpuModel::Impl::FinishPass(const PassInputs& in, std::vector<float>
     for (int64_t i = 0; i < n; ++i) {
       if (ids[i] < 0 || ids[i] >= E) continue;
       ++stats.routes;
+      stats.streamed_routes += in.streamed;
       if (!seen[ids[i]]) {
         seen[ids[i]] = 1;
         ++stats.distinct_experts;

@@ -96,6 +96,7 @@ struct GpuCacheStats {
   int64_t graph_replays = 0;   // passes replayed from a captured decode graph
   int64_t graph_captures = 0;  // decode buckets captured (each once unless routing changes)
   int64_t pin_changes = 0;     // pinned-expert flags changed by the pinned policy
+  int64_t streamed_routes = 0;  // routes of streamed passes (in routes; never cache hits)
   int64_t streamed_layers = 0;  // MoE layers of prefill passes streamed whole (their bytes are
                                 // in bytes_fetched, not in misses)
 };
