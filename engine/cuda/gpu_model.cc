@@ -251,6 +251,20 @@ struct GpuModel::Impl {
   // Copies MoE layer `m`'s experts whole into layer buffer `buf` on the side stream, after the
   // compute that last read that buffer.
   absl::Status StreamLayer(int m, int buf);
+  // A fresh HotPinner (no heat, nothing pinned) and cleared flags, for the pinned policy.
+  absl::Status NewPinner() {
+    const ModelConfig& c = w->config;
+    const int M = c.NumMoeLayers(), E = c.num_experts;
+    moe_cache::PinningConfig pc;
+    pc.adapt_every = opt.adapt_every;
+    ASSIGN_OR_RETURN(moe_cache::HotPinner hp,
+                     moe_cache::HotPinner::Create(
+                         M, E, total_slots, std::min(E, rows_per_call * c.num_experts_per_tok),
+                         pc));
+    pinner = std::make_unique<moe_cache::HotPinner>(std::move(hp));
+    pinned_flags.assign(static_cast<size_t>(M) * E, 0);
+    return absl::OkStatus();
+  }
   absl::Status StreamedMoeBlock(const GpuLayer& lw, int rows);
 
   CUstream_st* stream() const { return pair->compute(); }
@@ -679,13 +693,7 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
       return absl::InvalidArgumentError(
           "pinning hot experts needs the scored policy and adapt_every >= 1");
     }
-    moe_cache::PinningConfig pc;
-    pc.adapt_every = opt.adapt_every;
-    ASSIGN_OR_RETURN(moe_cache::HotPinner hp,
-                     moe_cache::HotPinner::Create(M, E, total_slots,
-                                                  std::min(E, rows_per_call * K), pc));
-    pinner = std::make_unique<moe_cache::HotPinner>(std::move(hp));
-    pinned_flags.assign(static_cast<size_t>(M) * E, 0);
+    RETURN_IF_ERROR(NewPinner());
   }
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return absl::OkStatus();
@@ -1224,18 +1232,7 @@ absl::Status GpuModel::ResetExpertCache() {
   Impl& m = *impl_;
   if (m.cache == nullptr) return absl::OkStatus();
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.stream()));
-  if (m.pinner != nullptr) {
-    moe_cache::PinningConfig pc;
-    pc.adapt_every = m.opt.adapt_every;
-    const ModelConfig& c = m.w->config;
-    ASSIGN_OR_RETURN(moe_cache::HotPinner hp,
-                     moe_cache::HotPinner::Create(c.NumMoeLayers(), c.num_experts, m.total_slots,
-                                                  std::min(c.num_experts,
-                                                           m.rows_per_call * c.num_experts_per_tok),
-                                                  pc));
-    *m.pinner = std::move(hp);
-    std::fill(m.pinned_flags.begin(), m.pinned_flags.end(), 0);
-  }
+  if (m.pinner != nullptr) RETURN_IF_ERROR(m.NewPinner());
   return m.cache->Reset();
 }
 

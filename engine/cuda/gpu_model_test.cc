@@ -492,6 +492,17 @@ ModelConfig RandomConfig(bool qwen2) {
   return c;
 }
 
+// Three prompts decoded together, then the first two, then the first alone (decode buckets 4, 2
+// and 1); the tokens of the three runs in order.
+GreedyRun ShrinkingBatches(ForwardModel& model, const std::vector<std::vector<int32_t>>& prompts) {
+  GreedyRun r = Greedy(model, prompts, 12, /*batched=*/true);
+  const GreedyRun r2 = Greedy(model, {prompts[0], prompts[1]}, 6, true);
+  const GreedyRun r1 = Greedy(model, {prompts[0]}, 6, true);
+  r.tokens.insert(r.tokens.end(), r2.tokens.begin(), r2.tokens.end());
+  r.tokens.insert(r.tokens.end(), r1.tokens.begin(), r1.tokens.end());
+  return r;
+}
+
 // The same greedy tokens whatever the cache holds (10%, 50%, 100% of the experts), whether the
 // miss copy runs beside the shared expert or not, and whether decode steps replay captured
 // graphs or launch eagerly; decode batches of 1, 2 and 3 sequences (buckets 1, 2, 4).
@@ -530,12 +541,7 @@ TEST(GpuModelTest, GreedyIdenticalAcrossBudgetsOverlapAndGraphs) {
           auto gm = GpuModel::Create(rm->weights.get(), store->get(), o);
           ASSERT_TRUE(gm.ok()) << gm.status();
           ASSERT_EQ((*gm)->plan().slots_per_layer, slots);
-          // All three together, then the first two, then the first alone.
-          GreedyRun r = Greedy(**gm, prompts, 12, /*batched=*/true);
-          const GreedyRun r2 = Greedy(**gm, {prompts[0], prompts[1]}, 6, true);
-          const GreedyRun r1 = Greedy(**gm, {prompts[0]}, 6, true);
-          r.tokens.insert(r.tokens.end(), r2.tokens.begin(), r2.tokens.end());
-          r.tokens.insert(r.tokens.end(), r1.tokens.begin(), r1.tokens.end());
+          const GreedyRun r = ShrinkingBatches(**gm, prompts);
           const GpuCacheStats& st = (*gm)->stats();
           std::printf("%s %s: %lld misses of %lld routes, %lld graph replays, %lld captures\n",
                       c.model_type.c_str(), name.c_str(), static_cast<long long>(st.misses),
@@ -567,11 +573,7 @@ TEST(GpuModelTest, GreedyIdenticalAcrossBudgetsOverlapAndGraphs) {
                           static_cast<double>(uint64_t{1} << 30);
     auto gm = GpuModel::Create(rm->weights.get(), store->get(), o);
     ASSERT_TRUE(gm.ok()) << gm.status();
-    GreedyRun r = Greedy(**gm, prompts, 12, true);
-    const GreedyRun r2 = Greedy(**gm, {prompts[0], prompts[1]}, 6, true);
-    const GreedyRun r1 = Greedy(**gm, {prompts[0]}, 6, true);
-    r.tokens.insert(r.tokens.end(), r2.tokens.begin(), r2.tokens.end());
-    r.tokens.insert(r.tokens.end(), r1.tokens.begin(), r1.tokens.end());
+    const GreedyRun r = ShrinkingBatches(**gm, prompts);
     EXPECT_GT((*gm)->stats().pin_changes, 0);
     EXPECT_EQ(r.tokens, reference) << "pinned policy";
   }
