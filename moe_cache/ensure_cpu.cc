@@ -11,7 +11,8 @@ namespace moe_cache {
 
 void EnsureExpertsCpu(CacheStateView* st, int32_t layer, const int32_t* ids, int32_t num_ids,
                       int32_t* out_slots, MissPlanEntry* plan, int32_t* plan_size,
-                      uint8_t* used_scratch, EnsureCounts* counts) {
+                      uint8_t* used_scratch, EnsureCounts* counts,
+                      const int32_t* fetch_of_misses) {
   const int32_t E = st->num_experts;
   const uint32_t counter = *st->call_counter;
   const int32_t base = layer * E;
@@ -32,29 +33,47 @@ void EnsureExpertsCpu(CacheStateView* st, int32_t layer, const int32_t* ids, int
     }
     used_scratch[id] = 1;
   }
-  // (2) one victim per distinct miss, in order of first occurrence.
+  // (1b) how many of the distinct misses are fetched.
+  int32_t distinct_misses = 0;
+  for (int32_t e = 0; e < E; ++e) {
+    if (used_scratch[e] && st->slot_of[base + e] < 0) ++distinct_misses;
+  }
+  const int32_t fetch = FetchCount(fetch_of_misses, distinct_misses);
+  // (2) one victim per distinct miss, in order of first occurrence; those past `fetch` go to
+  // the CPU. used_scratch: 1 routed, 2 sent to the CPU, 3 found unplaceable.
   int32_t n = 0;
+  int32_t handled = 0;
   for (int32_t i = 0; i < num_ids; ++i) {
     const int32_t id = ids[i];
     if (!IsRoutedId(id, E)) continue;
     const int32_t g = base + id;
     if (st->slot_of[g] >= 0) continue;
-    if (used_scratch[id] == 2) continue;  // already found unplaceable in this call
+    if (used_scratch[id] >= 2) continue;  // already sent to the CPU or found unplaceable
     ++counts->misses;
+    if (handled++ >= fetch) {
+      ++counts->cpu;
+      used_scratch[id] = 2;
+      continue;
+    }
     const int32_t victim = PickVictimSerial(st, layer, counter);
     if (victim < 0) {
       ++counts->unplaced;
-      used_scratch[id] = 2;
+      used_scratch[id] = 3;
       continue;
     }
     OnFill(st, g, victim, counter);
     plan[n++] = MissPlanEntry{g, victim};
   }
   *plan_size = n;
-  // (2b) outputs.
+  // (2b) outputs. A non-resident routed expert is either on the CPU or unplaced.
   for (int32_t i = 0; i < num_ids; ++i) {
     const int32_t id = ids[i];
-    out_slots[i] = IsRoutedId(id, E) ? st->slot_of[base + id] : -1;
+    if (!IsRoutedId(id, E)) {
+      out_slots[i] = -1;
+      continue;
+    }
+    const int32_t s = st->slot_of[base + id];
+    out_slots[i] = s >= 0 ? s : (used_scratch[id] == 2 ? kCpuSlot : -1);
   }
   // (3) per-call updates.
   for (int32_t e = 0; e < E; ++e) UpdateFrequency(st, base + e, used_scratch[e] != 0);
@@ -86,6 +105,13 @@ absl::StatusOr<CpuExpertCache> CpuExpertCache::Create(const CacheConfig& config)
   if (p.freq_shift < 1 || p.freq_shift > 16) {
     return absl::InvalidArgumentError(
         absl::StrFormat("freq_shift must be in [1, 16], got %u", p.freq_shift));
+  }
+  if (!config.fetch_of_misses.empty() &&
+      config.fetch_of_misses.size() != static_cast<size_t>(config.num_experts) + 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "the hybrid split table has %d entries; it needs num_experts + 1 = %d (one per miss "
+        "count 0..E)",
+        config.fetch_of_misses.size(), config.num_experts + 1));
   }
   return CpuExpertCache(config);
 }
@@ -128,7 +154,8 @@ absl::Status CpuExpertCache::EnsureInto(int32_t layer, absl::Span<const int32_t>
   int32_t plan_size = 0;
   CacheStateView v = View();
   EnsureExpertsCpu(&v, layer, ids.data(), n, result->slots.data(), result->plan.data(), &plan_size,
-                   used_scratch_.data(), &result->counts);
+                   used_scratch_.data(), &result->counts,
+                   config_.fetch_of_misses.empty() ? nullptr : config_.fetch_of_misses.data());
   result->plan.resize(plan_size);
   return absl::OkStatus();
 }

@@ -22,6 +22,7 @@ struct EnsureCounts {
   int32_t hits = 0;
   int32_t misses = 0;    // distinct experts that were not resident (placed or not)
   int32_t unplaced = 0;  // misses with no eligible victim (their outputs are -1)
+  int32_t cpu = 0;       // misses sent to the CPU by the hybrid split (their outputs: kCpuSlot)
   int32_t padding = 0;   // ids < 0
 };
 
@@ -29,10 +30,12 @@ struct EnsureCounts {
 // policy_core.h. `ids` [T*k] row-major; `out_slots` [T*k]; `plan` room for min(T*k, S) entries;
 // `used_scratch` [E] scratch bytes. Writes *plan_size. The caller validated layer, sizes and ids
 // (CpuExpertCache rejects an id >= E; were one passed here it would be skipped, as the GPU kernel
-// skips it after raising its error flag).
+// skips it after raising its error flag). `fetch_of_misses` [E + 1]: the hybrid split table
+// (FetchCount in policy_core.h); null fetches every miss.
 void EnsureExpertsCpu(CacheStateView* st, int32_t layer, const int32_t* ids, int32_t num_ids,
                       int32_t* out_slots, MissPlanEntry* plan, int32_t* plan_size,
-                      uint8_t* used_scratch, EnsureCounts* counts);
+                      uint8_t* used_scratch, EnsureCounts* counts,
+                      const int32_t* fetch_of_misses = nullptr);
 
 struct EnsureResult {
   std::vector<int32_t> slots;        // [T*k] slot per id, -1 for padding / unplaced
@@ -45,6 +48,9 @@ struct CacheConfig {
   int32_t num_experts = 0;
   int32_t num_slots = 0;
   PolicyParams params = DefaultPolicyParams(kPolicyLru);
+  // The hybrid split table (FetchCount in policy_core.h; hybrid_split.h builds it): empty
+  // fetches every miss, else num_experts + 1 entries.
+  std::vector<int32_t> fetch_of_misses;
 };
 
 // Owns the host state of one cache and runs the mirror on it. Movable, not copyable.

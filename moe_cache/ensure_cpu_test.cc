@@ -42,6 +42,43 @@ TEST(EnsureCpuTest, FillsFreeSlotsInOrderThenHits) {
   EXPECT_EQ(c.call_counter(), 3u);
 }
 
+// The hybrid split: of a call's distinct misses, in order of first occurrence, the first
+// fetch_of_misses[n] take slots and the rest are computed on the CPU, taking none.
+TEST(EnsureCpuTest, HybridSplitSendsTheLastMissesToTheCpuWithoutASlot) {
+  CacheConfig config;
+  config.num_layers = 1;
+  config.num_experts = 8;
+  config.num_slots = 4;
+  config.params = DefaultPolicyParams(kPolicyLru);
+  config.fetch_of_misses = {0, 1, 1, 2, 2, 3, 3, 4, 4};  // fetch half, rounded up
+  auto c = CpuExpertCache::Create(config);
+  ASSERT_TRUE(c.ok()) << c.status();
+  // Two tokens of top-2: experts 3, 5, 3, 6 -> misses 3, 5, 6 (3 distinct): fetch 2, CPU 1.
+  EnsureResult r = Ensure(*c, 0, {3, 5, 3, 6}, 2);
+  EXPECT_EQ(r.slots, (std::vector<int32_t>{0, 1, 0, kCpuSlot}));
+  ASSERT_EQ(r.plan.size(), 2u);
+  EXPECT_EQ(r.counts.misses, 3);
+  EXPECT_EQ(r.counts.cpu, 1);
+  EXPECT_EQ(c->SlotOf(6), -1);  // no slot for the CPU's expert
+  EXPECT_EQ(c->expert_of_slot()[2], -1);
+  // Next call: 3 hits; 7 and 6 miss (2 distinct, 7 first): fetch 7, compute 6 on the CPU.
+  r = Ensure(*c, 0, {7, 3, 6, 3}, 2);
+  EXPECT_EQ(r.counts.hits, 1);
+  EXPECT_EQ(r.counts.cpu, 1);
+  EXPECT_EQ(r.slots, (std::vector<int32_t>{2, 0, kCpuSlot, 0}));
+  EXPECT_EQ(c->SlotOf(6), -1);
+  EXPECT_EQ(c->SlotOf(7), 2);
+}
+
+TEST(EnsureCpuTest, HybridSplitTableMustCoverEveryMissCount) {
+  CacheConfig config;
+  config.num_layers = 1;
+  config.num_experts = 8;
+  config.num_slots = 4;
+  config.fetch_of_misses = {0, 1, 2};
+  EXPECT_FALSE(CpuExpertCache::Create(config).ok());
+}
+
 TEST(EnsureCpuTest, LruEvictsLeastRecentlyUsedAndNeverTheCurrentCall) {
   CpuExpertCache c = MakeCache(1, 8, 2, kPolicyLru);
   Ensure(c, 0, {0});

@@ -28,12 +28,8 @@ absl::Status CheckProfile(const BandwidthProfile& p) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::StatusOr<MissSplit> SplitMisses(absl::Span<const MissPlanEntry> misses,
-                                      const BandwidthProfile& profile) {
-  if (absl::Status s = CheckProfile(profile); !s.ok()) return s;
-  const int64_t n = static_cast<int64_t>(misses.size());
+// How many of n misses to fetch (the rest go to the CPU); the profile is valid.
+int64_t FetchCountFor(int64_t n, const BandwidthProfile& profile) {
   const double bp = profile.pcie_gather_gbps, bc = profile.cpu_expert_gbps;
   const double ideal = static_cast<double>(n) * bp / (bp + bc);
   int64_t m = static_cast<int64_t>(std::floor(ideal));
@@ -44,10 +40,33 @@ absl::StatusOr<MissSplit> SplitMisses(absl::Span<const MissPlanEntry> misses,
     return std::max(tf, tc);
   };
   if (m + 1 <= n && slower(m + 1) <= slower(m)) ++m;
+  return m;
+}
+
+}  // namespace
+
+absl::StatusOr<MissSplit> SplitMisses(absl::Span<const MissPlanEntry> misses,
+                                      const BandwidthProfile& profile) {
+  if (absl::Status s = CheckProfile(profile); !s.ok()) return s;
+  const int64_t m = FetchCountFor(static_cast<int64_t>(misses.size()), profile);
   MissSplit out;
   out.fetch.assign(misses.begin(), misses.begin() + m);
   out.cpu.assign(misses.begin() + m, misses.end());
   return out;
+}
+
+absl::StatusOr<std::vector<int32_t>> FetchTable(const BandwidthProfile& profile,
+                                                int num_experts) {
+  if (absl::Status s = CheckProfile(profile); !s.ok()) return s;
+  if (num_experts <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("split table: num_experts must be positive, got %d", num_experts));
+  }
+  std::vector<int32_t> table(static_cast<size_t>(num_experts) + 1);
+  for (int n = 0; n <= num_experts; ++n) {
+    table[n] = static_cast<int32_t>(FetchCountFor(n, profile));
+  }
+  return table;
 }
 
 absl::StatusOr<BandwidthProfile> ParseBandwidthProfile(const std::string& text) {

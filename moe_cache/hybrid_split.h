@@ -47,6 +47,12 @@ struct MissSplit {
 absl::StatusOr<MissSplit> SplitMisses(absl::Span<const MissPlanEntry> misses,
                                       const BandwidthProfile& profile);
 
+// The same rule as a table for ensure_experts (FetchCount in policy_core.h), which applies it
+// on the GPU inside the captured step: entry n is how many of n misses SplitMisses fetches, for
+// n = 0..num_experts. InvalidArgument for a bad profile or num_experts <= 0.
+absl::StatusOr<std::vector<int32_t>> FetchTable(const BandwidthProfile& profile,
+                                                int num_experts);
+
 absl::StatusOr<BandwidthProfile> ParseBandwidthProfile(const std::string& text);
 std::string SerializeBandwidthProfile(const BandwidthProfile& profile);
 absl::StatusOr<BandwidthProfile> ReadBandwidthProfile(const std::string& path);

@@ -37,6 +37,20 @@ TEST(HybridSplitTest, ProportionalToBandwidth) {
   EXPECT_FALSE(SplitMisses(Misses(3), p).ok());
 }
 
+TEST(HybridSplitTest, FetchTableIsSplitMissesPerCount) {
+  const BandwidthProfile p{51.0, 17.0, true};
+  auto table = FetchTable(p, 16);
+  ASSERT_TRUE(table.ok()) << table.status();
+  ASSERT_EQ(table->size(), 17u);
+  for (int n = 0; n <= 16; ++n) {
+    EXPECT_EQ((*table)[n], static_cast<int32_t>(SplitMisses(Misses(n), p)->fetch.size()))
+        << n << " misses";
+  }
+  EXPECT_EQ((*table)[8], 6);
+  EXPECT_FALSE(FetchTable({0.0, 10.0, true}, 8).ok());
+  EXPECT_FALSE(FetchTable(p, 0).ok());
+}
+
 TEST(HybridSplitTest, ProfileRoundTripAndErrors) {
   BandwidthProfile p{51.25, 74.5, false};
   auto back = ParseBandwidthProfile(SerializeBandwidthProfile(p));

@@ -17,13 +17,19 @@
 //   (1) for i in 0..T*k-1 (row-major): id = ids[i]; if !IsRoutedId(id, E): out[i] = -1, skip.
 //       g = layer*E + id; mark expert `id` used in this call (for step 3);
 //       if slot_of[g] >= 0: OnHit(state, slot_of[g], counter) (counts as a hit once per distinct g).
+//   (1b) n = the number of distinct experts marked in (1) that are not resident (slot_of < 0);
+//       m = FetchCount(fetch_of_misses, n): how many of them are fetched (all without a split).
 //   (2) for i in 0..T*k-1 (row-major): skip padding; g = layer*E + ids[i];
 //       if slot_of[g] >= 0 continue (a hit, or a miss already placed earlier in this call);
+//       if expert ids[i] was already handled as a miss in this call (sent to the CPU or found
+//       unplaceable) continue; j = the number of distinct misses handled before it;
+//       if j >= m: the expert goes to the CPU for this call (no slot, no state change); else
 //       victim = argmin over slots s with SlotEligible(state, s, counter) of
 //                (SlotScore(state, s, layer, counter), s)        [ArgminBetter orders the pairs]
 //       if no eligible slot: leave g unplaced (its outputs stay -1); else
 //       OnFill(state, g, victim, counter) and append plan entry {g, victim}.
-//   (2b) for i: out[i] = padding ? -1 : slot_of[layer*E + ids[i]] (may be -1 only if unplaced).
+//   (2b) for i: out[i] = padding ? -1 : slot_of[layer*E + ids[i]] if resident, else kCpuSlot
+//       for an expert sent to the CPU, else -1 (unplaced).
 //   (3) for e in 0..E-1: UpdateFrequency(state, layer*E + e, used[e]); then FinishCall(state).
 // A slot's score depends only on its own state and the call (layer, counter), never on decisions
 // for other misses of the same call, so the per-miss argmin can be computed in parallel; a slot
@@ -105,6 +111,22 @@ MOE_HD inline PolicyParams DefaultPolicyParams(int32_t policy) {
   // Keeps the expected wait finite (at most about 256 * L calls) for never-seen experts.
   p.min_p_q16 = kFreqOne / 256;
   return p;
+}
+
+// Output of ensure_experts for a route whose expert is computed on the CPU in this call (the
+// hybrid split): such an expert takes no slot, and the GPU's expert kernels skip the route like
+// padding.
+constexpr int32_t kCpuSlot = -2;
+
+// The hybrid split rule of step (1b): of a call's n distinct misses, in order of first
+// occurrence, the first FetchCount(fetch_of_misses, n) are fetched into slots and the rest are
+// computed on the CPU. `fetch_of_misses` [E + 1] is a table the host builds from the bandwidth
+// profile (hybrid_split.h: FetchTable); null fetches every miss (offload only). Integers only,
+// so the kernel and the mirror agree; entries outside [0, n] are clamped.
+MOE_HD inline int32_t FetchCount(const int32_t* fetch_of_misses, int32_t n) {
+  if (fetch_of_misses == nullptr) return n;
+  const int32_t m = fetch_of_misses[n];
+  return m < 0 ? 0 : (m > n ? n : m);
 }
 
 // Score of a free slot: lowest possible, so free slots are filled first (lowest index first).

@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "moe_cache/ensure_cpu.h"
 #include "moe_cache/gpu/ensure_kernels.h"
+#include "moe_cache/hybrid_split.h"
 
 #if MOE_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -68,6 +69,7 @@ struct Case {
   int32_t policy;
   int layers, experts, k, slots, tokens_per_step, steps;
   bool pin;
+  bool hybrid = false;  // split the misses with the CPU (a 50 : 70 GB/s profile)
 };
 
 void RunMirror(const Case& c) {
@@ -76,6 +78,11 @@ void RunMirror(const Case& c) {
   config.num_experts = c.experts;
   config.num_slots = c.slots;
   config.params = DefaultPolicyParams(c.policy);
+  if (c.hybrid) {
+    auto table = FetchTable(BandwidthProfile{50.0, 70.0, true}, c.experts);
+    ASSERT_TRUE(table.ok()) << table.status();
+    config.fetch_of_misses = *table;
+  }
   auto cpu_or = CpuExpertCache::Create(config);
   ASSERT_TRUE(cpu_or.ok()) << cpu_or.status();
   CpuExpertCache cpu = std::move(*cpu_or);
@@ -91,6 +98,14 @@ void RunMirror(const Case& c) {
   ASSERT_EQ(cudaMalloc(&d_slots, sizeof(int32_t) * n * c.layers), cudaSuccess);
   ASSERT_EQ(cudaMalloc(&d_count, sizeof(int32_t) * c.layers), cudaSuccess);
   ASSERT_EQ(cudaMalloc(&d_plan, sizeof(MissPlanEntry) * n * c.layers), cudaSuccess);
+  int32_t* d_table = nullptr;
+  if (c.hybrid) {
+    const size_t bytes = sizeof(int32_t) * config.fetch_of_misses.size();
+    ASSERT_EQ(cudaMalloc(&d_table, bytes), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_table, config.fetch_of_misses.data(), bytes, cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  int64_t cpu_routes = 0;
 
   std::vector<int32_t> h_slot_of(le), h_expert_of_slot(c.slots), h_slots(n * c.layers),
       h_count(c.layers);
@@ -126,7 +141,7 @@ void RunMirror(const Case& c) {
                 cudaSuccess);
       ASSERT_TRUE(LaunchEnsureExperts(dev.view(), layer, d_ids + layer * n, n,
                                       d_slots + layer * n, d_count + layer, d_plan + layer * n,
-                                      nullptr)
+                                      nullptr, nullptr, d_table)
                       .ok());
       auto r = cpu.Ensure(layer, ids, c.tokens_per_step, c.k);
       ASSERT_TRUE(r.ok()) << r.status();
@@ -159,14 +174,28 @@ void RunMirror(const Case& c) {
       }
       ASSERT_TRUE(std::equal(cpu_slots[layer].begin(), cpu_slots[layer].end(),
                              h_slots.begin() + layer * n));
+      cpu_routes += std::count(cpu_slots[layer].begin(), cpu_slots[layer].end(), kCpuSlot);
     }
   }
-  // The trace must actually exercise eviction.
+  // The trace must actually exercise eviction, and the split its CPU side.
   EXPECT_GT(total_misses, static_cast<int64_t>(c.slots) * 2);
+  if (c.hybrid) {
+    EXPECT_GT(cpu_routes, total_misses / 4);
+  } else {
+    EXPECT_EQ(cpu_routes, 0);
+  }
+  cudaFree(d_table);
   cudaFree(d_ids);
   cudaFree(d_slots);
   cudaFree(d_count);
   cudaFree(d_plan);
+}
+
+// The hybrid split's decisions (which misses take a slot, which go to the CPU, and every victim)
+// equal the CPU mirror's, with pinning and padded rows.
+TEST(EnsureKernelTest, HybridSplitMatchesCpuMirror) {
+  MOE_SKIP_WITHOUT_GPU();
+  RunMirror({kPolicyScored, 8, 128, 8, 8 * 128 / 4, 4, 2000, true, true});
 }
 
 TEST(EnsureKernelTest, LruMatchesCpuMirrorOver10000Steps) {
@@ -190,7 +219,7 @@ TEST(EnsureKernelTest, CapturedGraphReplaysLikeTheMirror) {
   // One decode step of all layers captured once (ids live in a fixed device buffer), replayed
   // with fresh routing each step: the kernel must read the ids and state at replay time.
   constexpr int kLayers = 8, kExperts = 64, kTopK = 8, kSlots = 96, kSteps = 300;
-  CacheConfig config{kLayers, kExperts, kSlots, DefaultPolicyParams(kPolicyScored)};
+  CacheConfig config{kLayers, kExperts, kSlots, DefaultPolicyParams(kPolicyScored), {}};
   auto cpu_or = CpuExpertCache::Create(config);
   ASSERT_TRUE(cpu_or.ok());
   CpuExpertCache cpu = std::move(*cpu_or);
@@ -270,7 +299,7 @@ TEST(EnsureKernelTest, CapturedGraphReplaysLikeTheMirror) {
 TEST(EnsureKernelTest, CapturedKernelFlagsIdAtOrAboveExperts) {
   MOE_SKIP_WITHOUT_GPU();
   constexpr int kLayers = 2, kExperts = 16, kTopK = 4, kSlots = 8;
-  CacheConfig config{kLayers, kExperts, kSlots, DefaultPolicyParams(kPolicyLru)};
+  CacheConfig config{kLayers, kExperts, kSlots, DefaultPolicyParams(kPolicyLru), {}};
   auto cpu_or = CpuExpertCache::Create(config);
   ASSERT_TRUE(cpu_or.ok());
   CpuExpertCache cpu = std::move(*cpu_or);

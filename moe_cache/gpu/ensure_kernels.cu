@@ -58,14 +58,20 @@ __device__ Candidate BlockPickVictim(const CacheStateView& st, int32_t layer, ui
 __global__ void __launch_bounds__(kThreads)
     EnsureExpertsKernel(CacheStateView st, int32_t layer, const int32_t* ids, int32_t num_ids,
                         int32_t* slot_ids, int32_t* plan_count, MissPlanEntry* plan,
-                        int32_t* error_flag) {
-  extern __shared__ uint8_t used[];  // [E] experts of this layer routed in this call
+                        int32_t* error_flag, const int32_t* fetch_of_misses) {
+  // [E] experts of this layer in this call: 0 not routed, 1 routed, 2 sent to the CPU, 3 a miss
+  // found unplaceable.
+  extern __shared__ uint8_t used[];
   __shared__ Candidate warp_best[kWarps];
   __shared__ int32_t misses;
+  __shared__ int32_t distinct_misses;
   const int32_t E = st.num_experts;
   const uint32_t counter = *st.call_counter;
   for (int32_t e = threadIdx.x; e < E; e += blockDim.x) used[e] = 0;
-  if (threadIdx.x == 0) misses = 0;
+  if (threadIdx.x == 0) {
+    misses = 0;
+    distinct_misses = 0;
+  }
   __syncthreads();
 
   // (1) Hits: mark used, refresh the slot. Idempotent per slot, so order does not matter here.
@@ -82,14 +88,39 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  // (2) Misses, in order of first occurrence: one block-wide argmin each.
+  // (1b) How many of the distinct misses are fetched (the hybrid split; all without one).
+  if (fetch_of_misses != nullptr) {
+    int32_t local = 0;
+    for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
+      local += used[e] != 0 && st.slot_of[layer * E + e] < 0;
+    }
+    if (local != 0) atomicAdd(&distinct_misses, local);
+    __syncthreads();
+  }
+  const int32_t fetch = fetch_of_misses != nullptr ? FetchCount(fetch_of_misses, distinct_misses)
+                                                   : num_ids;
+
+  // (2) Misses, in order of first occurrence: one block-wide argmin each; those past `fetch`
+  // go to the CPU. Every branch below is uniform across the block (reads after a barrier).
+  int32_t handled = 0;
   for (int32_t i = 0; i < num_ids; ++i) {
     const int32_t id = ids[i];
     if (!IsRoutedId(id, E)) continue;
     const int32_t g = layer * E + id;
-    if (st.slot_of[g] >= 0) continue;  // uniform across the block: read after a barrier
+    if (st.slot_of[g] >= 0) continue;
+    if (used[id] >= 2) continue;  // already sent to the CPU or found unplaceable
+    if (handled++ >= fetch) {
+      __syncthreads();  // every thread has read used[id]
+      if (threadIdx.x == 0) used[id] = 2;
+      __syncthreads();
+      continue;
+    }
     const Candidate victim = BlockPickVictim(st, layer, counter, warp_best);
-    if (victim.slot < 0) continue;  // nothing eligible: left unplaced
+    if (victim.slot < 0) {  // nothing eligible: left unplaced
+      if (threadIdx.x == 0) used[id] = 3;
+      __syncthreads();
+      continue;
+    }
     if (threadIdx.x == 0) {
       OnFill(&st, g, victim.slot, counter);
       plan[misses] = MissPlanEntry{g, victim.slot};
@@ -98,10 +129,16 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
   }
 
-  // (2b) Slot ids for every route.
+  // (2b) Slot ids for every route: the slot, kCpuSlot for an expert on the CPU, -1 for padding
+  // or an unplaced miss.
   for (int32_t i = threadIdx.x; i < num_ids; i += blockDim.x) {
     const int32_t id = ids[i];
-    slot_ids[i] = IsRoutedId(id, E) ? st.slot_of[layer * E + id] : -1;
+    if (!IsRoutedId(id, E)) {
+      slot_ids[i] = -1;
+      continue;
+    }
+    const int32_t s = st.slot_of[layer * E + id];
+    slot_ids[i] = s >= 0 ? s : (used[id] == 2 ? kCpuSlot : -1);
   }
   // (3) Frequencies of this layer's experts, then the counter.
   for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
@@ -120,7 +157,8 @@ uint64_t AlignUp(uint64_t x) { return (x + 255) / 256 * 256; }
 
 absl::Status LaunchEnsureExperts(const CacheStateView& state, int32_t layer, const int32_t* ids,
                                  int32_t num_ids, int32_t* slot_ids, int32_t* plan_count,
-                                 MissPlanEntry* plan, CUstream_st* stream, int32_t* error_flag) {
+                                 MissPlanEntry* plan, CUstream_st* stream, int32_t* error_flag,
+                                 const int32_t* fetch_of_misses) {
   if (layer < 0 || layer >= state.num_layers) {
     return absl::InvalidArgumentError(
         absl::StrCat("ensure_experts: layer ", layer, " out of [0, ", state.num_layers, ")"));
@@ -133,7 +171,7 @@ absl::Status LaunchEnsureExperts(const CacheStateView& state, int32_t layer, con
   if (num_ids < 0) return absl::InvalidArgumentError("ensure_experts: negative id count");
   EnsureExpertsKernel<<<1, kThreads, state.num_experts, stream>>>(state, layer, ids, num_ids,
                                                                   slot_ids, plan_count, plan,
-                                                                  error_flag);
+                                                                  error_flag, fetch_of_misses);
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }

@@ -59,10 +59,13 @@ class DeviceCacheState {
 // that a captured kernel cannot return: the kernel skips that id like padding (no state is read
 // or written for it) and, when error_flag is set, stores the id there (the first one wins; the
 // flag stays set until cleared). The host checks it once per step with TakeEnsureError.
+// fetch_of_misses: optional device int32 [E + 1], the hybrid split table (FetchCount in
+// policy_core.h): misses past the count it gives take no slot and get kCpuSlot in slot_ids.
 absl::Status LaunchEnsureExperts(const CacheStateView& state, int32_t layer, const int32_t* ids,
                                  int32_t num_ids, int32_t* slot_ids, int32_t* plan_count,
                                  MissPlanEntry* plan, CUstream_st* stream,
-                                 int32_t* error_flag = nullptr);
+                                 int32_t* error_flag = nullptr,
+                                 const int32_t* fetch_of_misses = nullptr);
 
 // Reads the error flag of the launches so far on `stream` (waits for the stream) and clears it:
 // InvalidArgument naming the offending id when a launch saw an id >= E, else OK; Internal for a

@@ -28,7 +28,8 @@ absl::Status DeviceCacheState::UploadPinned(const uint8_t*) {
 }
 
 absl::Status LaunchEnsureExperts(const CacheStateView&, int32_t, const int32_t*, int32_t,
-                                 int32_t*, int32_t*, MissPlanEntry*, CUstream_st*, int32_t*) {
+                                 int32_t*, int32_t*, MissPlanEntry*, CUstream_st*, int32_t*,
+                                 const int32_t*) {
   return absl::UnavailableError("ensure_experts: built without CUDA");
 }
 

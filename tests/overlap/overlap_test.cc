@@ -70,7 +70,7 @@ TEST(OverlapTest, EagerAndTwoGraphsMatchTheSingleStreamReference) {
   SyntheticMoeStack& sub = **sub_or;
   const StackConfig& c = sub.config();
   moe_cache::CacheConfig mirror_config{c.layers, c.experts, c.slots,
-                                       moe_cache::DefaultPolicyParams(c.policy)};
+                                       moe_cache::DefaultPolicyParams(c.policy), {}};
   auto mirror_or = moe_cache::CpuExpertCache::Create(mirror_config);
   ASSERT_TRUE(mirror_or.ok());
   moe_cache::CpuExpertCache mirror = std::move(*mirror_or);
