@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Builds the engine's Hugging Face reference fixtures (engine/testdata/<case>/).
 
-Each case is a small random qwen3_moe or qwen2_moe checkpoint in the published Qwen layout
-(per-expert tensors, as on the Hub), plus what transformers computes from it on the CPU in
-float32 with eager attention: teacher-forced logits of 3-4 prompts and greedy continuations of 2.
+Each case is a small random qwen3_moe, qwen2_moe or qwen3_5_moe checkpoint in the published Qwen
+layout (per-expert tensors as on the Hub; qwen3_5_moe as its multimodal wrapper with fused
+experts), plus what transformers computes from it on the CPU in float32 with eager attention:
+teacher-forced logits of 3-4 prompts and greedy continuations of 2.
 The engine's hf_fixture_test loads the same folders and must reproduce those numbers.
 
 Weights come from numpy with a fixed seed per case and are rounded to bfloat16-exact values, so
@@ -70,6 +71,26 @@ CASES = [
                "the engine computes with the fp8 weights and bf16/f32 activations."),
 ]
 
+# qwen3_5_moe cases: the multimodal wrapper as published (model_type qwen3_5_moe, the text model
+# under text_config, tensors under "model.language_model.", fused experts, a vision tower and an
+# MTP head the text model ignores). "compute": "float32" asks the engine to run the bf16
+# checkpoint with float32 dense weights and activations, so the case is held to the float32
+# tolerance although it is stored as published, in bf16.
+CASES.append(
+    dict(name="qwen3_5_moe_hybrid", seed=66, model_type="qwen3_5_moe", dtype="bfloat16", compute="float32",
+         vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2,
+         moe_inter=32, shared_inter=16, tied=False, max_pos=256, rope_theta=10000000.0,
+         linear=dict(k_heads=2, v_heads=4, k_dim=16, v_dim=8, conv=4), router_gain=8.0,
+         prompt_lens=[1, 20, 67],
+         notes="qwen3_5_moe (Qwen3.5/3.6 MoE) as the multimodal wrapper publishes it: text_config, "
+               "tensors under model.language_model., fused experts [E, 2I, H] / [E, H, I], vision and "
+               "MTP tensors to ignore; layers 0-2 Gated DeltaNet and layer 3 full attention "
+               "(full_attention_interval 4); DeltaNet with 2 key heads serving 4 value heads, key dim "
+               "16 != value dim 8, conv kernel 4; attention with the sigmoid output gate, zero-centred "
+               "q/k norms, partial rotary 0.25 (4 of 16 dims); 4 experts top-2 (always renormalised) and "
+               "the sigmoid-gated shared expert; one prompt longer than the DeltaNet chunk (64). Stored "
+               "in bf16; compute float32."))
+
 GREEDY_TOKENS = 16
 
 
@@ -79,8 +100,63 @@ def is_moe_layer(case, i):
     return case["experts"] > 0 and (i + 1) % case.get("sparse_step", 1) == 0
 
 
+def qwen3_5_text_config(case):
+    """The text_config of a qwen3_5_moe case, spelled as the published Qwen3.5 / 3.6 MoE
+    checkpoints spell it (transformers 5 keys, rope_parameters with the multimodal sections)."""
+    lin = case["linear"]
+    rotary = int(case["head_dim"] * 0.25)
+    return {
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": case["vocab"],
+        "hidden_size": case["hidden"],
+        "num_hidden_layers": case["layers"],
+        "num_attention_heads": case["heads"],
+        "num_key_value_heads": case["kv_heads"],
+        "head_dim": case["head_dim"],
+        "hidden_act": "silu",
+        "max_position_embeddings": case.get("max_pos", 128),
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_output_gate": True,
+        "full_attention_interval": 4,
+        "linear_conv_kernel_dim": lin["conv"],
+        "linear_key_head_dim": lin["k_dim"],
+        "linear_value_head_dim": lin["v_dim"],
+        "linear_num_key_heads": lin["k_heads"],
+        "linear_num_value_heads": lin["v_heads"],
+        "mamba_ssm_dtype": "float32",
+        "moe_intermediate_size": case["moe_inter"],
+        "shared_expert_intermediate_size": case["shared_inter"],
+        "num_experts": case["experts"],
+        "num_experts_per_tok": case["top_k"],
+        "router_aux_loss_coef": 0.001,
+        "output_router_logits": False,
+        "mtp_num_hidden_layers": 1,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "tie_word_embeddings": case["tied"],
+        "dtype": "bfloat16" if case["dtype"] == "bfloat16" else "float32",
+        "rope_parameters": {"rope_type": "default", "rope_theta": case.get("rope_theta", 10000000.0),
+                            "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                            "mrope_section": [rotary // 4, rotary // 4, rotary // 2 - 2 * (rotary // 4)]},
+    }
+
+
 def make_config(case):
-    """config.json as published Qwen checkpoints spell it (transformers 4 keys)."""
+    """config.json as published Qwen checkpoints spell it (transformers 4 keys; qwen3_5_moe: the
+    multimodal wrapper of transformers 5)."""
+    if case["model_type"] == "qwen3_5_moe":
+        return {
+            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "model_type": "qwen3_5_moe",
+            "tie_word_embeddings": case["tied"],
+            "text_config": qwen3_5_text_config(case),
+            "vision_config": {"model_type": "qwen3_5_moe_vision", "depth": 1, "hidden_size": 16,
+                              "intermediate_size": 32, "num_heads": 2, "out_hidden_size": case["hidden"]},
+            "image_token_id": case["vocab"] - 2,
+            "video_token_id": case["vocab"] - 1,
+        }
     qwen3 = case["model_type"] == "qwen3_moe"
     c = {
         "architectures": ["Qwen3MoeForCausalLM" if qwen3 else "Qwen2MoeForCausalLM"],
@@ -126,9 +202,78 @@ def make_config(case):
     return c
 
 
+def make_qwen3_5_weights(case):
+    """make_weights() of a qwen3_5_moe case: the multimodal wrapper's tensor names. RMSNorm
+    weights are zero-centred (applied as 1 + w), the gated DeltaNet norm's are not; A_log puts
+    exp(A_log) in [0.01, 0.5] so that the DeltaNet state decays slowly enough to carry across
+    its 64-token chunks; the router's gain spreads its logits (few near-ties)."""
+    rng = np.random.default_rng(case["seed"])
+    H, V = case["hidden"], case["vocab"]
+    hd, nh, nkv = case["head_dim"], case["heads"], case["kv_heads"]
+    E, I, S = case["experts"], case["moe_inter"], case["shared_inter"]
+    lin_cfg = case["linear"]
+    nk, nv, dk, dv, K = lin_cfg["k_heads"], lin_cfg["v_heads"], lin_cfg["k_dim"], lin_cfg["v_dim"], lin_cfg["conv"]
+    conv_dim = 2 * nk * dk + nv * dv
+    r = hfio.bf16_round
+
+    def lin(out_f, in_f, gain=1.0):
+        return r(rng.standard_normal((out_f, in_f)) * (gain / np.sqrt(in_f)))
+
+    def zc_norm(n):
+        return r(0.2 * rng.standard_normal(n))
+
+    root = "model.language_model."
+    w = {root + "embed_tokens.weight": r(rng.standard_normal((V, H)))}
+    config = qwen3_5_text_config(case)
+    import qwen_torch
+    for i, kind in enumerate(qwen_torch.qwen3_5_layer_types(config)):
+        p = f"{root}layers.{i}."
+        w[p + "input_layernorm.weight"] = zc_norm(H)
+        w[p + "post_attention_layernorm.weight"] = zc_norm(H)
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            w[a + "in_proj_qkv.weight"] = lin(conv_dim, H)
+            w[a + "in_proj_z.weight"] = lin(nv * dv, H)
+            w[a + "in_proj_b.weight"] = lin(nv, H)
+            w[a + "in_proj_a.weight"] = lin(nv, H)
+            w[a + "conv1d.weight"] = r(0.5 * rng.standard_normal((conv_dim, 1, K)))
+            w[a + "dt_bias"] = r(0.5 * rng.standard_normal(nv))
+            w[a + "A_log"] = r(np.log(rng.uniform(0.01, 0.5, nv)))
+            w[a + "norm.weight"] = r(1.0 + 0.2 * rng.standard_normal(dv))
+            w[a + "out_proj.weight"] = lin(H, nv * dv)
+        else:
+            a = p + "self_attn."
+            w[a + "q_proj.weight"] = lin(nh * hd * 2, H)
+            w[a + "k_proj.weight"] = lin(nkv * hd, H)
+            w[a + "v_proj.weight"] = lin(nkv * hd, H)
+            w[a + "o_proj.weight"] = lin(H, nh * hd)
+            w[a + "q_norm.weight"] = zc_norm(hd)
+            w[a + "k_norm.weight"] = zc_norm(hd)
+        m = p + "mlp."
+        w[m + "gate.weight"] = lin(E, H, gain=case.get("router_gain", 2.0))
+        w[m + "experts.gate_up_proj"] = np.stack([np.concatenate([lin(I, H), lin(I, H)]) for _ in range(E)])
+        w[m + "experts.down_proj"] = np.stack([lin(H, I) for _ in range(E)])
+        w[m + "shared_expert.gate_proj.weight"] = lin(S, H)
+        w[m + "shared_expert.up_proj.weight"] = lin(S, H)
+        w[m + "shared_expert.down_proj.weight"] = lin(H, S)
+        w[m + "shared_expert_gate.weight"] = lin(1, H)
+    w[root + "norm.weight"] = zc_norm(H)
+    if not case["tied"]:
+        w["lm_head.weight"] = lin(V, H, gain=2.0)
+    # What the published checkpoints carry beside the text model (the engine ignores both).
+    w["model.visual.pos_embed.weight"] = r(rng.standard_normal((4, 16)))
+    w["model.visual.patch_embed.proj.bias"] = r(rng.standard_normal(16))
+    w["mtp.fc.weight"] = lin(H, 2 * H)
+    for name, x in w.items():
+        assert np.array_equal(hfio.bf16_round(x), x), name
+    return w
+
+
 def make_weights(case):
     """{name: float32 bf16-exact array} in the Hub layout. Scales keep activations O(1) so that
     logits spread well (greedy ties would make the fixture fragile)."""
+    if case["model_type"] == "qwen3_5_moe":
+        return make_qwen3_5_weights(case)
     rng = np.random.default_rng(case["seed"])
     H, V = case["hidden"], case["vocab"]
     hd, nh, nkv = case["head_dim"], case["heads"], case["kv_heads"]
@@ -196,7 +341,8 @@ def to_tensors(case, weights):
             saved[name] = hfio.Tensor.f32(x)
             ref[name] = x
         elif case["dtype"] == "bfloat16":
-            saved[name] = hfio.Tensor.bf16(x)
+            # A_log in float32 covers a checkpoint that mixes dtypes.
+            saved[name] = hfio.Tensor.f32(x) if name.endswith(".A_log") else hfio.Tensor.bf16(x)
             ref[name] = x
         elif case["dtype"] == "fp8_block":
             if is_fp8_weight(name):
@@ -233,7 +379,7 @@ def min_router_gap(config, ref_weights, prompt):
         write_json(os.path.join(tmp, "config.json"), cfg)
         model = qwen_torch.load_model(tmp, torch.float64, tensors=ref_weights)
     gaps = []
-    k = config["num_experts_per_tok"]
+    k = qwen_torch.text_config(config)["num_experts_per_tok"]
 
     def hook(mod, inputs, out):
         logits = out[1].sort(dim=-1, descending=True).values
@@ -268,6 +414,53 @@ def write_json(path, obj):
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
         f.write("\n")
+
+
+def write_float32_reference_folder(case, config, ref_weights, folder):
+    """A folder transformers loads as a case's float32 reference: the reference weights as
+    float32 (bf16 values exactly, fp8 ones dequantized), no quantization_config. A qwen3_5_moe
+    case becomes its text model alone (Qwen3_5MoeForCausalLM: the text_config as model_type
+    qwen3_5_moe_text, tensors renamed from "model.language_model." to "model.", vision and MTP
+    tensors dropped), which computes on text what the multimodal wrapper computes."""
+    cfg = dict(config)
+    cfg.pop("quantization_config", None)
+    tensors = ref_weights
+    if case["model_type"] == "qwen3_5_moe":
+        import qwen_torch
+        cfg = dict(config["text_config"], architectures=["Qwen3_5MoeForCausalLM"],
+                   model_type="qwen3_5_moe_text", dtype="float32")
+        tensors = qwen_torch.qwen3_5_text_tensors(ref_weights)
+    else:
+        cfg["torch_dtype"] = "float32"
+    write_json(os.path.join(folder, "config.json"), cfg)
+    hfio.write_checkpoint(folder, {k: hfio.Tensor.f32(v) for k, v in tensors.items()})
+
+
+def compute_dtype(case):
+    """What the engine computes a case in: float32 for float32 checkpoints and for cases that ask
+    for it ("compute"), else the checkpoint's dtype (bf16 activations)."""
+    return case.get("compute", case["dtype"])
+
+
+def check_delta_rule_forms(case, model, prompts, log):
+    """qwen3_5_moe: the chunked gated delta rule (transformers' prefill form, chunks of 64) and
+    the recurrent one (its decode form) must give the same logits; in float64 they agree to
+    rounding. Raises if they do not. Returns the largest difference over max |logit|."""
+    import torch
+    worst = 0.0
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], dtype=torch.long)
+            model.set_delta_rule("chunk")
+            chunk = model(ids)[0][0].numpy()
+            model.set_delta_rule("recurrent")
+            recurrent = model(ids)[0][0].numpy()
+            model.set_delta_rule("chunk")
+            worst = max(worst, float(np.abs(chunk - recurrent).max() / np.abs(chunk).max()))
+    log(f"  chunked vs recurrent delta rule: max diff / max |logit| = {worst:.3g}")
+    if not worst <= 1e-10:
+        raise RuntimeError(f"{case['name']}: chunked and recurrent delta rules differ ({worst:.3g})")
+    return worst
 
 
 def hf_reference(case, folder, ref_folder, prompts, log):
@@ -340,6 +533,7 @@ def hf_reference(case, folder, ref_folder, prompts, log):
         "prompts": prompts,
         "greedy": [dict(prompt=g["prompt"], output=g["output"]) for g in candidates],
         "dtype": case["dtype"],
+        **({"compute": case["compute"]} if "compute" in case else {}),
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "notes": case["notes"] + (" Logits: transformers {}, torch {} on the CPU, float32, eager "
@@ -373,6 +567,11 @@ def torch_reference(case, config, ref_weights, prompts, log):
             return model(torch.tensor([ids], dtype=torch.long))[0][0].numpy()
 
     logits = [np.ascontiguousarray(forward(p), dtype=np.float32) for p in prompts]
+    forms_note = ""
+    if case["model_type"] == "qwen3_5_moe":
+        worst = check_delta_rule_forms(case, model, prompts, log)
+        forms_note = (" The chunked (64-token chunks) and recurrent forms of the gated delta rule agree to "
+                      "{:.2g} of the largest logit.").format(worst)
     greedy = []
     for i, p in enumerate(prompts):
         out = qwen_torch.greedy(model, p, GREEDY_TOKENS)
@@ -392,6 +591,7 @@ def torch_reference(case, config, ref_weights, prompts, log):
         "prompts": prompts,
         "greedy": [dict(prompt=g["prompt"], output=g["output"]) for g in candidates],
         "dtype": case["dtype"],
+        **({"compute": case["compute"]} if "compute" in case else {}),
         "backend": "torch",
         "torch": torch.__version__,
         "notes": case["notes"] + (" Logits: tools/reference/qwen_torch.py, a PyTorch implementation of "
@@ -400,7 +600,7 @@ def torch_reference(case, config, ref_weights, prompts, log):
                                   "make_fixtures.py --backend hf reproduces them with transformers itself. "
                                   "Greedy: argmax of a full forward at each step (no EOS), min top-2 logit "
                                   "margin {:.3g}.").format(case["model_type"], torch.__version__,
-                                                           min(g["margin"] for g in candidates)),
+                                                           min(g["margin"] for g in candidates)) + forms_note,
     }
     return ref, logits
 
@@ -457,15 +657,11 @@ def build_case(case, out_root, use_hf, log, backend="hf"):
         return
     with tempfile.TemporaryDirectory() as tmp:
         ref_folder = folder
-        if case["dtype"] != "float32":
+        if case["dtype"] != "float32" or case["model_type"] == "qwen3_5_moe":
             # transformers computes from float32 weights: the bf16 values exactly, the fp8 ones
             # dequantized. No quantization_config there: the values are already real.
             ref_folder = tmp
-            ref_config = dict(config)
-            ref_config.pop("quantization_config", None)
-            ref_config["torch_dtype"] = "float32"
-            write_json(os.path.join(tmp, "config.json"), ref_config)
-            hfio.write_checkpoint(tmp, {k: hfio.Tensor.f32(v) for k, v in ref_weights.items()})
+            write_float32_reference_folder(case, config, ref_weights, tmp)
         ref, logits = hf_reference(case, folder, ref_folder, prompts, log)
     if case.get("hf_config"):
         # config.json as transformers 5 writes it (rope_parameters, dtype, layer_types).
