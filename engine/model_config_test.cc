@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace moe::engine {
@@ -176,6 +177,183 @@ TEST(ModelConfigTest, BadJsonAndBadFields) {
     EXPECT_NE(msg.find(k.needle), std::string::npos) << k.json << " -> " << msg;
     EXPECT_NE(msg.find("cfg.json"), std::string::npos) << msg;
   }
+}
+
+// A Qwen3.6-35B-A3B-shaped config in the multimodal wrapper's layout (transformers 5 spelling:
+// text_config with rope_parameters and its multimodal sections, a vision_config, explicit
+// layer_types; the sizes are Qwen3_5MoeTextConfig's defaults, which describe that model).
+// extra_text (", \"key\": value") is appended to text_config, overriding a field given before.
+std::string Qwen35Wrapper(const std::string& extra_text = "") {
+  std::string layer_types;
+  for (int l = 0; l < 40; ++l) {
+    absl::StrAppend(&layer_types, l ? ", " : "",
+                    (l + 1) % 4 ? "\"linear_attention\"" : "\"full_attention\"");
+  }
+  return absl::StrCat(R"({
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+    "image_token_id": 248056, "video_token_id": 248057, "tie_word_embeddings": false,
+    "vision_config": {"model_type": "qwen3_5_moe", "depth": 27, "hidden_size": 1152},
+    "text_config": {
+      "model_type": "qwen3_5_moe_text", "attention_bias": false, "attn_output_gate": true,
+      "bos_token_id": 248044, "eos_token_id": 248044, "dtype": "bfloat16",
+      "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,
+      "layer_types": [)",
+                      layer_types, R"(],
+      "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+      "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+      "mamba_ssm_dtype": "float32", "max_position_embeddings": 262144,
+      "moe_intermediate_size": 512, "mtp_num_hidden_layers": 1, "num_attention_heads": 16,
+      "num_experts": 256, "num_experts_per_tok": 8, "num_hidden_layers": 40,
+      "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "shared_expert_intermediate_size": 512,
+      "vocab_size": 248320,
+      "rope_parameters": {"mrope_interleaved": true, "mrope_section": [11, 11, 10],
+                          "rope_type": "default", "rope_theta": 10000000,
+                          "partial_rotary_factor": 0.25})",
+                      extra_text, "}}");
+}
+
+TEST(ModelConfigTest, Qwen35MoeWrapper) {
+  absl::StatusOr<ModelConfig> c = ModelConfig::FromJson(Qwen35Wrapper(), "q36.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->model_type, "qwen3_5_moe");
+  EXPECT_TRUE(c->multimodal);
+  EXPECT_EQ(c->vocab_size, 248320);
+  EXPECT_EQ(c->num_hidden_layers, 40);
+  EXPECT_EQ(c->head_dim, 256);
+  EXPECT_EQ(c->num_attention_heads, 16);
+  EXPECT_EQ(c->num_key_value_heads, 2);
+  EXPECT_EQ(c->max_position_embeddings, 262144);
+  EXPECT_DOUBLE_EQ(c->rope_theta, 1e7);
+  EXPECT_EQ(c->rope_scaling.type, "");  // the multimodal sections reduce to plain positions
+  EXPECT_DOUBLE_EQ(c->partial_rotary_factor, 0.25);
+  EXPECT_EQ(c->rotary_dim(), 64);
+  EXPECT_TRUE(c->attn_output_gate);
+  EXPECT_TRUE(c->zero_centered_norms);
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_FALSE(c->attention_bias);
+  EXPECT_FALSE(c->tie_word_embeddings);
+  EXPECT_EQ(c->num_experts, 256);
+  EXPECT_EQ(c->num_experts_per_tok, 8);
+  EXPECT_EQ(c->moe_intermediate_size, 512);
+  EXPECT_EQ(c->shared_expert_intermediate_size, 512);
+  EXPECT_TRUE(c->norm_topk_prob);  // the router always renormalises
+  EXPECT_EQ(c->NumMoeLayers(), 40);
+  EXPECT_EQ(c->linear.num_key_heads, 16);
+  EXPECT_EQ(c->linear.num_value_heads, 32);
+  EXPECT_EQ(c->linear.key_head_dim, 128);
+  EXPECT_EQ(c->linear.value_head_dim, 128);
+  EXPECT_EQ(c->linear.conv_kernel, 4);
+  EXPECT_EQ(c->linear.conv_dim(), 8192);
+  EXPECT_EQ(c->NumLinearAttentionLayers(), 30);
+  EXPECT_EQ(c->NumKvLayers(), 10);
+  EXPECT_TRUE(c->IsLinearAttentionLayer(0));
+  EXPECT_FALSE(c->IsLinearAttentionLayer(3));
+  EXPECT_EQ(c->KvLayerIndex(3), 0);
+  EXPECT_EQ(c->KvLayerIndex(39), 9);
+  EXPECT_EQ(c->KvLayerIndex(38), -1);
+  EXPECT_EQ(c->LinearLayerIndex(38), 29);
+  EXPECT_EQ(c->LinearLayerIndex(39), -1);
+  EXPECT_EQ(c->eos_token_ids, std::vector<int32_t>{248044});
+}
+
+TEST(ModelConfigTest, Qwen35MoeTextConfigDefaultsAndIntervalRule) {
+  // The text model alone, no layer_types: transformers' rule, full attention where
+  // (layer + 1) % full_attention_interval == 0; partial_rotary_factor 0.25 by default;
+  // norm_topk_prob false in the file is still a renormalising router.
+  constexpr char kText[] = R"({
+    "model_type": "qwen3_5_moe_text", "num_hidden_layers": 6, "full_attention_interval": 3,
+    "hidden_size": 64, "num_experts": 4, "num_experts_per_tok": 2, "head_dim": 32,
+    "norm_topk_prob": false, "linear_num_key_heads": 2, "linear_num_value_heads": 6,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 3})";
+  absl::StatusOr<ModelConfig> c = ModelConfig::FromJson(kText, "t.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->model_type, "qwen3_5_moe");
+  EXPECT_FALSE(c->multimodal);
+  const bool linear[6] = {true, true, false, true, true, false};
+  for (int l = 0; l < 6; ++l) EXPECT_EQ(c->IsLinearAttentionLayer(l), linear[l]) << l;
+  EXPECT_EQ(c->rotary_dim(), 8);
+  EXPECT_TRUE(c->norm_topk_prob);
+  EXPECT_EQ(c->linear.conv_dim(), 2 * 32 + 48);
+  EXPECT_EQ(c->shared_expert_intermediate_size, 512);  // the class default
+  EXPECT_EQ(c->NumMoeLayers(), 6);
+
+  // The default interval is 4; a top-level partial_rotary_factor applies without one in the
+  // rope parameters, and the rope parameters' wins over it.
+  constexpr char kDefaults[] = R"({"model_type": "qwen3_5_moe_text", "num_hidden_layers": 8,
+    "partial_rotary_factor": 0.5})";
+  c = ModelConfig::FromJson(kDefaults, "d.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->NumKvLayers(), 2);
+  EXPECT_EQ(c->KvLayerIndex(7), 1);
+  EXPECT_EQ(c->head_dim, 256);
+  EXPECT_EQ(c->rotary_dim(), 128);
+  EXPECT_EQ(c->linear.conv_dim(), 2 * 16 * 128 + 32 * 128);
+  constexpr char kBoth[] = R"({"model_type": "qwen3_5_moe_text", "num_hidden_layers": 4,
+    "partial_rotary_factor": 0.5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 5000, "partial_rotary_factor": 0.25}})";
+  c = ModelConfig::FromJson(kBoth, "b.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rotary_dim(), 64);
+  EXPECT_DOUBLE_EQ(c->rope_theta, 5000);
+
+  // Other families keep every dimension rotary and take no linear-attention layers.
+  absl::StatusOr<ModelConfig> q3 = ModelConfig::FromJson(kQwen3_30B, "q3.json");
+  ASSERT_TRUE(q3.ok());
+  EXPECT_EQ(q3->rotary_dim(), q3->head_dim);
+  EXPECT_EQ(q3->NumKvLayers(), 48);
+  EXPECT_EQ(q3->KvLayerIndex(47), 47);
+  EXPECT_EQ(q3->NumLinearAttentionLayers(), 0);
+  EXPECT_FALSE(q3->zero_centered_norms);
+  EXPECT_FALSE(q3->attn_output_gate);
+}
+
+TEST(ModelConfigTest, Qwen35MoeInconsistentConfigs) {
+  const std::string base = R"("model_type": "qwen3_5_moe_text", "num_hidden_layers": 4, )";
+  struct Case {
+    std::string json;
+    const char* needle;
+  } cases[] = {
+      {absl::StrCat("{", base, R"("linear_num_key_heads": 4, "linear_num_value_heads": 6})"),
+       "must be a multiple of linear_num_key_heads"},
+      {absl::StrCat("{", base, R"("layer_types": ["linear_attention", "full_attention"]})"),
+       "list of 4 layer kinds"},
+      {absl::StrCat("{", base,
+                    R"("layer_types": ["linear_attention", "sliding_attention",
+                                       "linear_attention", "full_attention"]})"),
+       "entry 1 is \"sliding_attention\""},
+      {absl::StrCat("{", base, R"("head_dim": 16, "partial_rotary_factor": 0.1})"),
+       "gives 1 rotary dimensions"},
+      {absl::StrCat("{", base, R"("partial_rotary_factor": 1.5})"), "partial_rotary_factor"},
+      {absl::StrCat("{", base, R"("shared_expert_intermediate_size": 0})"),
+       "shared_expert_intermediate_size"},
+      {absl::StrCat("{", base, R"("num_experts": 0})"), "at least 1 for qwen3_5_moe"},
+      {absl::StrCat("{", base, R"("attention_bias": true})"), "not supported for qwen3_5_moe"},
+      {absl::StrCat("{", base, R"("full_attention_interval": 0})"), "full_attention_interval"},
+      {absl::StrCat("{", base, R"("linear_conv_kernel_dim": 0})"), "linear_conv_kernel_dim"},
+      {R"({"model_type": "qwen3_moe", "layer_types": ["linear_attention"]})",
+       "full-attention layers only"},
+  };
+  for (const Case& k : cases) {
+    absl::StatusOr<ModelConfig> c = ModelConfig::FromJson(k.json, "cfg.json");
+    ASSERT_FALSE(c.ok()) << k.json;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << k.json;
+    const std::string msg(c.status().message());
+    EXPECT_NE(msg.find(k.needle), std::string::npos) << k.json << " -> " << msg;
+    EXPECT_NE(msg.find("cfg.json"), std::string::npos) << msg;
+  }
+  // The wrapper's and the text model's tie_word_embeddings must agree where both are given;
+  // errors inside text_config say so.
+  absl::StatusOr<ModelConfig> c =
+      ModelConfig::FromJson(Qwen35Wrapper(R"(, "tie_word_embeddings": true)"), "w.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(std::string(c.status().message())
+                .find("w.json: text_config: field "
+                      "\"tie_word_embeddings\" is true"),
+            std::string::npos)
+      << c.status();
+  c = ModelConfig::FromJson(Qwen35Wrapper(R"(, "linear_num_value_heads": 17)"), "w.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(std::string(c.status().message()).find("text_config"), std::string::npos) << c.status();
 }
 
 TEST(ModelConfigTest, FromFileMissing) {
