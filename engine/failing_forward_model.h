@@ -44,6 +44,7 @@ class FailingForwardModel final : public ForwardModel {
   int max_positions() const override { return model_->max_positions(); }
   int kv_blocks() const override { return model_->kv_blocks(); }
   int kv_block_size() const override { return model_->kv_block_size(); }
+  int state_slots() const override { return model_->state_slots(); }
   uint64_t memory_bytes() const override { return model_->memory_bytes(); }
   std::string backend() const override { return model_->backend(); }
   void set_routing_override(RoutingOverride* routing) override {

@@ -23,4 +23,22 @@ void KvBlockAllocator::Free(std::vector<int32_t>* table) {
   table->clear();
 }
 
+StateSlotAllocator::StateSlotAllocator(int num_slots) : num_slots_(num_slots) {
+  free_.reserve(num_slots);
+  for (int s = num_slots - 1; s >= 0; --s) free_.push_back(s);
+}
+
+bool StateSlotAllocator::Allocate(int* slot) {
+  if (free_.empty()) return false;
+  *slot = free_.back();
+  free_.pop_back();
+  return true;
+}
+
+void StateSlotAllocator::Free(int* slot) {
+  if (*slot < 0) return;
+  free_.push_back(*slot);
+  *slot = -1;
+}
+
 }  // namespace moe::engine

@@ -27,12 +27,16 @@ enum class ChunkLogits { kNone, kLast, kAll };
 
 // A run of consecutive tokens of one sequence, starting at position `start`; its KV blocks
 // (block_table) must already cover positions [0, start + tokens.size()), and positions
-// [0, start) must hold this sequence's keys and values.
+// [0, start) must hold this sequence's keys and values. Models with linear-attention layers
+// (state_slots() > 0) also keep the sequence's fixed-size recurrent state in `state_slot`
+// (a StateSlotAllocator id, distinct for the chunks of one call): a chunk that starts at 0
+// resets it, a later chunk continues from what the previous one left there.
 struct ModelChunk {
   absl::Span<const int32_t> tokens;
   int start = 0;
   const std::vector<int32_t>* block_table = nullptr;
   ChunkLogits logits = ChunkLogits::kLast;
+  int state_slot = -1;
 };
 
 // The KV pool's block ids: which blocks are free. Owns no KV memory (that is the model's).
@@ -58,6 +62,25 @@ class KvBlockAllocator {
   std::vector<int32_t> free_;  // a stack, highest id at the bottom
 };
 
+// The recurrent-state slot ids: which are free. Owns no state memory (that is the model's).
+// Not thread-safe: the engine's Step thread allocates and frees.
+class StateSlotAllocator {
+ public:
+  explicit StateSlotAllocator(int num_slots);
+
+  int num_slots() const { return num_slots_; }
+  int free_slots() const { return static_cast<int>(free_.size()); }
+
+  // Takes the lowest free id into *slot; false (leaving *slot as it is) if none is free.
+  bool Allocate(int* slot);
+  // Returns *slot (if >= 0) to the pool and sets it to -1.
+  void Free(int* slot);
+
+ private:
+  int num_slots_ = 0;
+  std::vector<int> free_;  // a stack, highest id at the bottom
+};
+
 class ForwardModel {
  public:
   virtual ~ForwardModel() = default;
@@ -65,7 +88,8 @@ class ForwardModel {
   // Runs the chunks as one batch, writes their keys and values into the model's KV storage and
   // appends to `logits` one [vocab] row per wanted token, in chunk order. InvalidArgument for
   // token ids outside the vocabulary, positions past max_positions() or a block table that does
-  // not cover its chunk.
+  // not cover its chunk, or state slots (models with state_slots() > 0) missing, out of range
+  // or repeated.
   virtual absl::Status Forward(absl::Span<const ModelChunk> chunks,
                                std::vector<float>* logits) = 0;
 
@@ -74,6 +98,9 @@ class ForwardModel {
   // The KV storage's geometry: block ids handed to Forward must be below kv_blocks().
   virtual int kv_blocks() const = 0;
   virtual int kv_block_size() const = 0;
+  // Recurrent-state slots (ModelChunk::state_slot ids are below this); 0 for models without
+  // linear-attention layers, whose chunks need none.
+  virtual int state_slots() const { return 0; }
   // Bytes the model holds for its weights and KV cache (on the host for the CPU model, on the
   // device for the GPU model).
   virtual uint64_t memory_bytes() const = 0;

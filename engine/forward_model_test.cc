@@ -30,5 +30,24 @@ TEST(KvBlockAllocatorTest, HandsOutLowestIdsFirstAndTakesThemBack) {
   EXPECT_EQ(a.free_blocks(), 0);
 }
 
+TEST(StateSlotAllocatorTest, HandsOutLowestSlotsAndTakesThemBack) {
+  StateSlotAllocator a(2);
+  EXPECT_EQ(a.num_slots(), 2);
+  int s0 = -1, s1 = -1, s2 = -1;
+  ASSERT_TRUE(a.Allocate(&s0));
+  ASSERT_TRUE(a.Allocate(&s1));
+  EXPECT_EQ(s0, 0);
+  EXPECT_EQ(s1, 1);
+  EXPECT_FALSE(a.Allocate(&s2));
+  EXPECT_EQ(s2, -1);
+  a.Free(&s0);
+  EXPECT_EQ(s0, -1);
+  a.Free(&s0);  // freeing nothing is a no-op
+  EXPECT_EQ(a.free_slots(), 1);
+  ASSERT_TRUE(a.Allocate(&s2));
+  EXPECT_EQ(s2, 0);
+  EXPECT_EQ(a.free_slots(), 0);
+}
+
 }  // namespace
 }  // namespace moe::engine

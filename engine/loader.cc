@@ -155,6 +155,30 @@ class TensorFinder {
     return s;
   }
 
+  // A depthwise conv weight [rows, 1, cols] (as torch's Conv1d stores it; [rows, cols] is
+  // accepted too) as a [rows, cols] matrix.
+  absl::StatusOr<MatrixSource> Conv(const std::string& name, int64_t rows, int64_t cols) const {
+    const StTensor* t = ckpt_.Find(name);
+    if (t == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(ckpt_.description(), ": tensor \"", name, "\" is missing"));
+    }
+    if (t->shape != std::vector<int64_t>{rows, 1, cols} &&
+        t->shape != std::vector<int64_t>{rows, cols}) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(*t->file, ": tensor \"", name, "\" has shape ", ShapeStr(t->shape),
+                       ", expected ", ShapeStr({rows, 1, cols}), " (channels, 1, kernel)"));
+    }
+    RETURN_IF_ERROR(CheckDtype(*t, /*allow_fp8=*/false));
+    MatrixSource s;
+    s.tensor = t;
+    s.data = t->data;
+    s.rows = rows;
+    s.cols = cols;
+    s.dtype = t->dtype;
+    return s;
+  }
+
   // One expert's [rows, cols] slice starting at row `row0` of a fused [E, R, cols] tensor.
   absl::StatusOr<const StTensor*> Fused(const std::string& name,
                                         const std::vector<int64_t>& shape) const {
@@ -582,8 +606,26 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
     dense.push_back({src, dst});
     return absl::OkStatus();
   };
-  RETURN_IF_ERROR(add_dense("model.embed_tokens.weight", V, H, false, dd, &w->embed_tokens));
-  RETURN_IF_ERROR(add_dense("model.norm.weight", 1, H, true, DType::kF32, &w->final_norm));
+  // The text model's tensors: "model." (a causal LM's own checkpoint) or
+  // "model.language_model." (a multimodal wrapper's, whose vision tower and multi-token
+  // prediction head are not served).
+  const std::string root =
+      find.Has("model.language_model.embed_tokens.weight") ? "model.language_model." : "model.";
+  if (root != "model." || c.multimodal) {
+    int vision = 0, mtp = 0;
+    for (const auto& file : ckpt->files()) {
+      for (const StTensor& t : file->tensors()) {
+        vision += t.name.rfind("model.visual.", 0) == 0 ? 1 : 0;
+        mtp += t.name.rfind("mtp.", 0) == 0 ? 1 : 0;
+      }
+    }
+    std::fprintf(stderr,
+                 "%s: the text model of a multimodal checkpoint (tensors under %s); ignoring "
+                 "its vision tower (%d tensors) and multi-token-prediction head (%d tensors)\n",
+                 dir.c_str(), root.c_str(), vision, mtp);
+  }
+  RETURN_IF_ERROR(add_dense(root + "embed_tokens.weight", V, H, false, dd, &w->embed_tokens));
+  RETURN_IF_ERROR(add_dense(root + "norm.weight", 1, H, true, DType::kF32, &w->final_norm));
   if (!c.tie_word_embeddings) {
     RETURN_IF_ERROR(add_dense("lm_head.weight", V, H, false, dd, &w->lm_head));
   }
@@ -596,24 +638,46 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
   w->layers.resize(c.num_hidden_layers);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     LayerWeights& L = w->layers[l];
-    const std::string p = absl::StrCat("model.layers.", l, ".");
+    const std::string p = absl::StrCat(root, "layers.", l, ".");
     RETURN_IF_ERROR(
         add_dense(p + "input_layernorm.weight", 1, H, true, DType::kF32, &L.input_layernorm));
     RETURN_IF_ERROR(add_dense(p + "post_attention_layernorm.weight", 1, H, true, DType::kF32,
                               &L.post_attention_layernorm));
-    const std::string a = p + "self_attn.";
-    RETURN_IF_ERROR(add_dense(a + "q_proj.weight", q_out, H, false, dd, &L.q_proj));
-    RETURN_IF_ERROR(add_dense(a + "k_proj.weight", kv_out, H, false, dd, &L.k_proj));
-    RETURN_IF_ERROR(add_dense(a + "v_proj.weight", kv_out, H, false, dd, &L.v_proj));
-    RETURN_IF_ERROR(add_dense(a + "o_proj.weight", H, q_out, false, dd, &L.o_proj));
-    if (c.attention_bias) {
-      RETURN_IF_ERROR(add_dense(a + "q_proj.bias", 1, q_out, true, DType::kF32, &L.q_bias));
-      RETURN_IF_ERROR(add_dense(a + "k_proj.bias", 1, kv_out, true, DType::kF32, &L.k_bias));
-      RETURN_IF_ERROR(add_dense(a + "v_proj.bias", 1, kv_out, true, DType::kF32, &L.v_bias));
-    }
-    if (c.qk_norm) {
-      RETURN_IF_ERROR(add_dense(a + "q_norm.weight", 1, hd, true, DType::kF32, &L.q_norm));
-      RETURN_IF_ERROR(add_dense(a + "k_norm.weight", 1, hd, true, DType::kF32, &L.k_norm));
+    if (c.IsLinearAttentionLayer(l)) {
+      const LinearAttentionConfig& la = c.linear;
+      const int64_t nv = la.num_value_heads, C = la.conv_dim(), Vd = la.value_dim();
+      const std::string a = p + "linear_attn.";
+      RETURN_IF_ERROR(add_dense(a + "in_proj_qkv.weight", C, H, false, dd, &L.in_proj_qkv));
+      RETURN_IF_ERROR(add_dense(a + "in_proj_z.weight", Vd, H, false, dd, &L.in_proj_z));
+      RETURN_IF_ERROR(add_dense(a + "in_proj_b.weight", nv, H, false, dd, &L.in_proj_b));
+      RETURN_IF_ERROR(add_dense(a + "in_proj_a.weight", nv, H, false, dd, &L.in_proj_a));
+      {
+        ASSIGN_OR_RETURN(MatrixSource conv, find.Conv(a + "conv1d.weight", C, la.conv_kernel));
+        RETURN_IF_ERROR(AllocateTensor(DType::kF32, C, la.conv_kernel, &L.conv1d));
+        dense.push_back({conv, &L.conv1d});
+      }
+      RETURN_IF_ERROR(add_dense(a + "dt_bias", 1, nv, true, DType::kF32, &L.dt_bias));
+      RETURN_IF_ERROR(add_dense(a + "A_log", 1, nv, true, DType::kF32, &L.a_log));
+      RETURN_IF_ERROR(
+          add_dense(a + "norm.weight", 1, la.value_head_dim, true, DType::kF32, &L.linear_norm));
+      RETURN_IF_ERROR(add_dense(a + "out_proj.weight", H, Vd, false, dd, &L.out_proj));
+    } else {
+      const std::string a = p + "self_attn.";
+      // With the output gate, q_proj holds each head's query rows then its gate rows.
+      const int64_t q_rows = c.attn_output_gate ? 2 * q_out : q_out;
+      RETURN_IF_ERROR(add_dense(a + "q_proj.weight", q_rows, H, false, dd, &L.q_proj));
+      RETURN_IF_ERROR(add_dense(a + "k_proj.weight", kv_out, H, false, dd, &L.k_proj));
+      RETURN_IF_ERROR(add_dense(a + "v_proj.weight", kv_out, H, false, dd, &L.v_proj));
+      RETURN_IF_ERROR(add_dense(a + "o_proj.weight", H, q_out, false, dd, &L.o_proj));
+      if (c.attention_bias) {
+        RETURN_IF_ERROR(add_dense(a + "q_proj.bias", 1, q_out, true, DType::kF32, &L.q_bias));
+        RETURN_IF_ERROR(add_dense(a + "k_proj.bias", 1, kv_out, true, DType::kF32, &L.k_bias));
+        RETURN_IF_ERROR(add_dense(a + "v_proj.bias", 1, kv_out, true, DType::kF32, &L.v_bias));
+      }
+      if (c.qk_norm) {
+        RETURN_IF_ERROR(add_dense(a + "q_norm.weight", 1, hd, true, DType::kF32, &L.q_norm));
+        RETURN_IF_ERROR(add_dense(a + "k_norm.weight", 1, hd, true, DType::kF32, &L.k_norm));
+      }
     }
     const std::string m = p + "mlp.";
     L.is_moe = c.IsMoeLayer(l);
@@ -717,6 +781,22 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
     });
   }
   for (const absl::Status& st : status) RETURN_IF_ERROR(st);
+  if (c.zero_centered_norms) {
+    // The checkpoint's weights w are applied as (1 + w): hold the multipliers. transformers adds
+    // in float32 as well (1.0 + weight.float()).
+    auto add_one = [](Tensor& t) {
+      if (t.empty()) return;
+      float* x = t.mutable_f32();
+      for (int64_t i = 0; i < t.numel(); ++i) x[i] += 1.0f;
+    };
+    add_one(w->final_norm);
+    for (LayerWeights& L : w->layers) {
+      add_one(L.input_layernorm);
+      add_one(L.post_attention_layernorm);
+      add_one(L.q_norm);
+      add_one(L.k_norm);
+    }
+  }
   return w;
 }
 

@@ -24,6 +24,7 @@
 #include "engine/cuda/gpu_model.h"
 #include "engine/forward_model.h"
 #include "engine/kv_cache.h"
+#include "engine/linear_attention_state.h"
 #include "engine/loader.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
@@ -42,6 +43,7 @@ struct Sequence {
   int prompt_len = 0;
   int num_computed = 0;         // tokens whose keys and values are in the cache
   std::vector<int32_t> blocks;  // KV block table
+  int state_slot = -1;          // linear-attention state slot while running (-1: none)
   uint64_t seed = 0;
   bool started = false;   // admitted at least once (sampler, decoder made, forced sent)
   bool finished = false;  // its final event was delivered
@@ -52,8 +54,9 @@ struct Sequence {
   int outputs() const { return static_cast<int>(tokens.size()) - prompt_len; }
 };
 
-// The CPU model over a host KV cache, as a ForwardModel. Owns the expert backend, the model and
-// the KV storage; borrows the weights, banks and thread pool.
+// The CPU model over a host KV cache (and, for models with linear-attention layers, a
+// LinearAttentionState of one slot per sequence of a batch), as a ForwardModel. Owns the expert
+// backend, the model, the KV storage and the state; borrows the weights, banks and thread pool.
 class CpuForwardModel final : public ForwardModel {
  public:
   static absl::StatusOr<std::unique_ptr<ForwardModel>> Create(const ModelEngineParts& parts,
@@ -68,20 +71,29 @@ class CpuForwardModel final : public ForwardModel {
         pool);
     ASSIGN_OR_RETURN(m->model_, Model::Create(parts.weights, m->backend_.get(), pool,
                                               options.deterministic, max_context));
-    ASSIGN_OR_RETURN(m->kv_, KvCache::Create(c.num_hidden_layers, c.num_key_value_heads,
-                                             c.head_dim, options.kv_block_size, kv_blocks));
+    // Only full-attention layers keep keys and values (at least one layer's worth, so that the
+    // block tables stay meaningful for a model of linear-attention layers alone).
+    ASSIGN_OR_RETURN(m->kv_,
+                     KvCache::Create(std::max(1, c.NumKvLayers()), c.num_key_value_heads,
+                                     c.head_dim, options.kv_block_size, kv_blocks));
+    if (c.NumLinearAttentionLayers() > 0) {
+      ASSIGN_OR_RETURN(m->state_, LinearAttentionState::Create(c, options.max_batch));
+    }
     for (const auto& b : parts.banks) m->weight_bytes_ += b.BytesPerExpert() * b.num_experts;
     return std::unique_ptr<ForwardModel>(std::move(m));
   }
 
   absl::Status Forward(absl::Span<const ModelChunk> chunks, std::vector<float>* logits) override {
-    return model_->Forward(chunks, kv_.get(), logits);
+    return model_->Forward(chunks, kv_.get(), logits, state_.get());
   }
   const ModelConfig& config() const override { return model_->config(); }
   int max_positions() const override { return model_->max_positions(); }
   int kv_blocks() const override { return kv_->num_blocks(); }
   int kv_block_size() const override { return kv_->block_size(); }
-  uint64_t memory_bytes() const override { return weight_bytes_ + kv_->bytes(); }
+  int state_slots() const override { return state_ != nullptr ? state_->num_slots() : 0; }
+  uint64_t memory_bytes() const override {
+    return weight_bytes_ + kv_->bytes() + (state_ != nullptr ? state_->bytes() : 0);
+  }
   std::string backend() const override { return "cpu"; }
   void set_routing_override(RoutingOverride* routing) override {
     model_->set_routing_override(routing);
@@ -92,6 +104,7 @@ class CpuForwardModel final : public ForwardModel {
   std::unique_ptr<CpuExpertBackend> backend_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<KvCache> kv_;
+  std::unique_ptr<LinearAttentionState> state_;  // null without linear-attention layers
   uint64_t weight_bytes_ = 0;
 };
 
@@ -130,6 +143,8 @@ class ModelEngine final : public Engine {
   void AddText(Sequence& s, int32_t id);
   // Preempts the newest running sequence (frees its blocks, back to the waiting queue).
   void PreemptNewest();
+  // Gives back what a sequence holds while it runs: its KV blocks and its state slot.
+  void Release(Sequence& s);
   // Running and waiting sequences and KV blocks in use, into stats_ (on the Step thread).
   void UpdateOccupancy() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -142,6 +157,9 @@ class ModelEngine final : public Engine {
   std::unique_ptr<ForwardModel> model_;
   const gpu::GpuModel* gpu_model_ = nullptr;  // model_'s GPU model (its cache counters), if any
   std::unique_ptr<KvBlockAllocator> kv_;
+  // Linear-attention state slots (models with state_slots() > 0; null otherwise): one per
+  // running sequence.
+  std::unique_ptr<StateSlotAllocator> slots_;
   size_t max_stop_len_ = 0;
 
   // Step-thread state.
@@ -191,8 +209,8 @@ absl::Status ModelEngine::Init() {
     model_ = std::move(gm);
   } else {
     int blocks = options_.kv_blocks;
-    const uint64_t block_bytes =
-        2ull * c.num_hidden_layers * c.num_key_value_heads * bs * c.head_dim * sizeof(float);
+    const uint64_t block_bytes = 2ull * std::max(1, c.NumKvLayers()) * c.num_key_value_heads *
+                                 bs * c.head_dim * sizeof(float);
     if (blocks == 0) {
       uint64_t want = static_cast<uint64_t>(per_seq) * options_.max_batch;
       const uint64_t pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
@@ -212,6 +230,13 @@ absl::Status ModelEngine::Init() {
     if (model_ == nullptr) return absl::InvalidArgumentError("wrap_model returned no model");
   }
   kv_ = std::make_unique<KvBlockAllocator>(model_->kv_blocks(), model_->kv_block_size());
+  if (model_->state_slots() > 0) {
+    slots_ = std::make_unique<StateSlotAllocator>(model_->state_slots());
+  } else if (c.NumLinearAttentionLayers() > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the ", options_.backend, " model keeps no linear-attention state for the ",
+        c.NumLinearAttentionLayers(), " linear-attention layers of this ", c.model_type));
+  }
   absl::MutexLock lock(&mu_);
   stats_.kv_blocks_total = model_->kv_blocks();
   stats_.memory_bytes = model_->memory_bytes();
@@ -305,7 +330,7 @@ void ModelEngine::Finish(Sequence& s, FinishReason reason, std::vector<int32_t> 
   }
   e.finish_reason = reason;
   e.error = std::move(error);
-  kv_->Free(&s.blocks);
+  Release(s);
   Emit(s, std::move(e));
 }
 
@@ -341,7 +366,7 @@ bool ModelEngine::Start(Sequence& s) {
     e.text = s.text;
     s.text_sent = s.text.size();
     e.finish_reason = FinishReason::kLength;
-    kv_->Free(&s.blocks);
+    Release(s);
     Emit(s, std::move(e));
     return false;
   }
@@ -380,7 +405,7 @@ void ModelEngine::Append(Sequence& s, const SampleResult& r) {
     s.text.resize(stop_at);
     s.text_sent = s.text.size();
     e.finish_reason = FinishReason::kStop;
-    kv_->Free(&s.blocks);
+    Release(s);
     Emit(s, std::move(e));
     return;
   }
@@ -390,7 +415,7 @@ void ModelEngine::Append(Sequence& s, const SampleResult& r) {
     e.text = s.text.substr(s.text_sent);
     s.text_sent = s.text.size();
     e.finish_reason = eos ? FinishReason::kStop : FinishReason::kLength;
-    kv_->Free(&s.blocks);
+    Release(s);
     Emit(s, std::move(e));
     return;
   }
@@ -408,12 +433,17 @@ void ModelEngine::Append(Sequence& s, const SampleResult& r) {
   Emit(s, std::move(e));
 }
 
+void ModelEngine::Release(Sequence& s) {
+  kv_->Free(&s.blocks);
+  if (slots_ != nullptr) slots_->Free(&s.state_slot);
+}
+
 void ModelEngine::PreemptNewest() {
   auto newest = std::max_element(running_.begin(), running_.end(),
                                  [](const auto& a, const auto& b) { return a->id < b->id; });
   std::unique_ptr<Sequence> s = std::move(*newest);
   running_.erase(newest);
-  kv_->Free(&s->blocks);
+  Release(*s);
   s->num_computed = 0;
   auto pos = std::lower_bound(waiting_.begin(), waiting_.end(), s->id,
                               [](const auto& w, uint64_t id) { return w->id < id; });
@@ -448,9 +478,11 @@ absl::Status ModelEngine::Step() {
   }
   // Admission, oldest first.
   while (static_cast<int>(running_.size()) < options_.max_batch && !waiting_.empty()) {
+    if (slots_ != nullptr && slots_->free_slots() == 0) break;
     std::unique_ptr<Sequence> s = std::move(waiting_.front());
     waiting_.pop_front();
     if (!s->started && !Start(*s)) continue;
+    if (slots_ != nullptr) slots_->Allocate(&s->state_slot);
     running_.push_back(std::move(s));
   }
   std::sort(running_.begin(), running_.end(),
@@ -489,6 +521,7 @@ absl::Status ModelEngine::Step() {
       ch.tokens = absl::MakeConstSpan(s.tokens).subspan(s.num_computed, counts[i]);
       ch.start = s.num_computed;
       ch.block_table = &s.blocks;
+      ch.state_slot = s.state_slot;
       const bool done = s.num_computed + counts[i] == static_cast<int>(s.tokens.size());
       ch.logits = done ? Model::Logits::kLast : Model::Logits::kNone;
       if (done) sampled.push_back(&s);

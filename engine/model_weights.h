@@ -41,11 +41,23 @@ struct Tensor {
   float At(int64_t r, int64_t c) const;
 };
 
+// RMSNorm weights are held as the multipliers the norm applies: a zero-centred checkpoint
+// weight w (ModelConfig::zero_centered_norms) is held as 1 + w.
 struct LayerWeights {
   Tensor input_layernorm, post_attention_layernorm;  // f32 [1, H]
-  Tensor q_proj, k_proj, v_proj, o_proj;             // [out, in]
-  Tensor q_bias, k_bias, v_bias;                     // f32 [1, out]; empty unless attention_bias
-  Tensor q_norm, k_norm;                             // f32 [1, head_dim]; empty unless qk_norm
+  // Full-attention layers. q_proj is [nh * head_dim, H], or with attn_output_gate
+  // [nh * 2 * head_dim, H]: per head its head_dim query rows, then its head_dim gate rows.
+  Tensor q_proj, k_proj, v_proj, o_proj;  // [out, in]
+  Tensor q_bias, k_bias, v_bias;          // f32 [1, out]; empty unless attention_bias
+  Tensor q_norm, k_norm;                  // f32 [1, head_dim]; empty unless qk_norm
+  // Gated DeltaNet (linear-attention layers; LinearAttentionConfig gives the sizes).
+  Tensor in_proj_qkv;           // [conv_dim, H]: rows q (key_dim), k (key_dim), v (value_dim)
+  Tensor in_proj_z;             // [value_dim, H]: the output gate of the gated norm
+  Tensor in_proj_b, in_proj_a;  // [num_value_heads, H]: beta and the decay's input
+  Tensor conv1d;                // f32 [conv_dim, conv_kernel] (the checkpoint's [C, 1, K])
+  Tensor dt_bias, a_log;        // f32 [1, num_value_heads]
+  Tensor linear_norm;           // f32 [1, value_head_dim]: the gated RMSNorm's weight (plain)
+  Tensor out_proj;              // [H, value_dim]
   bool is_moe = false;
   int moe_index = -1;  // index into the ExpertStore's layers (-1 for dense layers)
   Tensor router;       // [E, H] (mlp.gate.weight)

@@ -17,9 +17,12 @@ double YarnGetMscale(double scale, double mscale) {
 }  // namespace
 
 absl::StatusOr<RopeParams> ComputeRopeParams(const ModelConfig& config) {
-  const int dim = config.head_dim;
-  if (dim <= 0 || dim % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("head_dim ", dim, " must be even and > 0"));
+  // transformers: dim = int(head_dim * partial_rotary_factor) in every rope type.
+  const int dim = config.rotary_dim();
+  if (dim <= 0 || dim % 2 != 0 || dim > config.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rotary dimensions ", dim, " (head_dim ", config.head_dim, " x partial_rotary_factor ",
+        config.partial_rotary_factor, ") must be even, > 0 and at most head_dim"));
   }
   const double base = config.rope_theta;
   if (!(base > 1.0)) {
@@ -98,8 +101,10 @@ absl::StatusOr<RopeParams> ComputeRopeParams(const ModelConfig& config) {
 }
 
 RopeTable::RopeTable(const RopeParams& params, int head_dim, int max_positions)
-    : head_dim_(head_dim), max_positions_(max_positions) {
-  const int half = head_dim / 2;
+    : head_dim_(head_dim),
+      rotary_dim_(2 * static_cast<int>(params.inv_freq.size())),
+      max_positions_(max_positions) {
+  const int half = rotary_dim_ / 2;
   cos_.resize(static_cast<size_t>(max_positions) * half);
   sin_.resize(cos_.size());
   for (int pos = 0; pos < max_positions; ++pos) {
@@ -114,7 +119,7 @@ RopeTable::RopeTable(const RopeParams& params, int head_dim, int max_positions)
 }
 
 void RopeTable::Apply(float* x, int num_heads, int position) const {
-  const int half = head_dim_ / 2;
+  const int half = rotary_dim_ / 2;
   const float* c = cos_.data() + static_cast<size_t>(position) * half;
   const float* s = sin_.data() + static_cast<size_t>(position) * half;
   for (int h = 0; h < num_heads; ++h) {

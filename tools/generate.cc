@@ -6,6 +6,7 @@
 //   generate [--model DIR] --input-ids ids.npy --dump-logits logits.npy [--dense-f32]
 //
 // Without --model it runs the embedded default model.
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -15,15 +16,16 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/formats.h"
+#include "common/npy.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
 #include "engine/cpu_expert_backend.h"
 #include "engine/engine_flags.h"
 #include "engine/kv_cache.h"
+#include "engine/linear_attention_state.h"
 #include "engine/loader.h"
 #include "engine/model.h"
 #include "engine/model_engine.h"
-#include "common/npy.h"
 #include "engine/tokenizer/chat_template.h"
 
 ABSL_FLAG(std::string, prompt, "", "prompt text (encoded without special tokens)");
@@ -71,19 +73,23 @@ absl::Status DumpLogits(const ModelEngineOptions& options) {
                    Model::Create(w.get(), &backend, &pool, options.deterministic, len));
   const int bs = 16;
   ASSIGN_OR_RETURN(std::unique_ptr<KvCache> kv,
-                   KvCache::Create(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, bs,
-                                   batch * ((len + bs - 1) / bs)));
+                   KvCache::Create(std::max(1, c.NumKvLayers()), c.num_key_value_heads, c.head_dim,
+                                   bs, batch * ((len + bs - 1) / bs)));
+  std::unique_ptr<LinearAttentionState> state;
+  if (c.NumLinearAttentionLayers() > 0) {
+    ASSIGN_OR_RETURN(state, LinearAttentionState::Create(c, batch));
+  }
   std::vector<std::vector<int32_t>> tables(batch);
   std::vector<Model::Chunk> chunks;
   for (int b = 0; b < batch; ++b) {
     kv->Allocate((len + bs - 1) / bs, &tables[b]);
     chunks.push_back({absl::MakeConstSpan(ids.data() + static_cast<size_t>(b) * len, len), 0,
-                      &tables[b], Model::Logits::kAll});
+                      &tables[b], Model::Logits::kAll, b});
   }
   std::vector<float> logits;
-  RETURN_IF_ERROR(model->Forward(chunks, kv.get(), &logits));
-  RETURN_IF_ERROR(
-      common::WriteNpyFloat32(absl::GetFlag(FLAGS_dump_logits), {batch, len, c.vocab_size}, logits));
+  RETURN_IF_ERROR(model->Forward(chunks, kv.get(), &logits, state.get()));
+  RETURN_IF_ERROR(common::WriteNpyFloat32(absl::GetFlag(FLAGS_dump_logits),
+                                          {batch, len, c.vocab_size}, logits));
   std::fprintf(stderr, "wrote [%d, %d, %d] logits to %s\n", batch, len, c.vocab_size,
                absl::GetFlag(FLAGS_dump_logits).c_str());
   return absl::OkStatus();

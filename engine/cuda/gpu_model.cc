@@ -398,6 +398,11 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
   const int H = c.hidden_size, nh = c.num_attention_heads, nkv = c.num_key_value_heads,
             hd = c.head_dim, E = c.num_experts, K = c.num_experts_per_tok,
             L = c.num_hidden_layers, M = c.NumMoeLayers();
+  if (c.model_type == "qwen3_5_moe") {
+    return absl::UnimplementedError(
+        "the CUDA backend does not serve qwen3_5_moe yet (its Gated DeltaNet layers, gated "
+        "attention and partial rotary run on the CPU backend only: --backend cpu)");
+  }
   if (c.model_type != "qwen3_moe" && c.model_type != "qwen2_moe") {
     return absl::InvalidArgumentError(
         absl::StrCat("the CUDA backend serves qwen3_moe and qwen2_moe, not ", c.model_type));

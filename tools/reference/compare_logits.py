@@ -13,8 +13,8 @@ argmax agrees, and exits 1 when a row's ratio exceeds --tol (default 1e-4: float
 transformers runs in float32 with eager attention on --device (cpu by default; a 30B checkpoint
 needs about 4 bytes per parameter of memory there). numpy is the only other requirement.
 --backend torch (the default where transformers is not installed) runs qwen_torch.py, a PyTorch
-implementation of transformers' qwen3_moe / qwen2_moe modeling code, in float64 (8 bytes per
-parameter; FP8 checkpoints are not read there), instead of transformers.
+implementation of transformers' qwen3_moe / qwen2_moe / qwen3_5_moe modeling code, in float64 (8
+bytes per parameter; FP8 checkpoints are not read there), instead of transformers.
 """
 import argparse
 import sys
