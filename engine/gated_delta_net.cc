@@ -20,8 +20,8 @@ void CausalConvSilu(const float* x, int64_t x_stride, int n, int channels, int k
     std::fill(o, o + channels, 0.0f);
     for (int j = 0; j < kernel; ++j) {
       const float* row = in(t - hist + j);
-      for (int c = 0; c < channels; ++c)
-        o[c] += weight[static_cast<int64_t>(c) * kernel + j] * row[c];
+      const float* w = weight + static_cast<int64_t>(j) * channels;
+      for (int c = 0; c < channels; ++c) o[c] += w[c] * row[c];
     }
     for (int c = 0; c < channels; ++c) o[c] = Silu(o[c]);
   }

@@ -17,11 +17,12 @@
 
 namespace moe::engine {
 
-// out[t, c] = silu(sum_j weight[c, j] * x[t - (kernel - 1) + j, c]) for t in [0, n), where
+// out[t, c] = silu(sum_j weight[j, c] * x[t - (kernel - 1) + j, c]) for t in [0, n), where
 // rows before the chunk come from `state` ([kernel - 1, channels], oldest first; zeros at the
 // start of a sequence). `state` is then replaced by the chunk's last kernel - 1 inputs (older
 // state rows where n < kernel - 1).
-//   x: [n, channels] (row stride x_stride), weight: [channels, kernel], out: [n, channels].
+//   x: [n, channels] (row stride x_stride), weight: [kernel, channels] (tap-major: the
+//   transpose of torch's [channels, 1, kernel]), out: [n, channels].
 void CausalConvSilu(const float* x, int64_t x_stride, int n, int channels, int kernel,
                     const float* weight, float* state, float* out);
 

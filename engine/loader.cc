@@ -781,6 +781,19 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
     });
   }
   for (const absl::Status& st : status) RETURN_IF_ERROR(st);
+  for (LayerWeights& L : w->layers) {
+    // The conv weights tap-major ([kernel, channels]), so that a tap runs over contiguous
+    // channels.
+    if (L.conv1d.empty()) continue;
+    const int64_t C = L.conv1d.rows, K = L.conv1d.cols;
+    std::vector<float> t(L.conv1d.f32(), L.conv1d.f32() + C * K);
+    float* dst = L.conv1d.mutable_f32();
+    for (int64_t ch = 0; ch < C; ++ch) {
+      for (int64_t j = 0; j < K; ++j) dst[j * C + ch] = t[ch * K + j];
+    }
+    L.conv1d.rows = K;
+    L.conv1d.cols = C;
+  }
   if (c.zero_centered_norms) {
     // The checkpoint's weights w are applied as (1 + w): hold the multipliers. transformers adds
     // in float32 as well (1.0 + weight.float()).

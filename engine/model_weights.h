@@ -54,7 +54,8 @@ struct LayerWeights {
   Tensor in_proj_qkv;           // [conv_dim, H]: rows q (key_dim), k (key_dim), v (value_dim)
   Tensor in_proj_z;             // [value_dim, H]: the output gate of the gated norm
   Tensor in_proj_b, in_proj_a;  // [num_value_heads, H]: beta and the decay's input
-  Tensor conv1d;                // f32 [conv_dim, conv_kernel] (the checkpoint's [C, 1, K])
+  Tensor conv1d;                // f32 [conv_kernel, conv_dim]: tap-major, the transpose of
+                                // the checkpoint's [conv_dim, 1, conv_kernel]
   Tensor dt_bias, a_log;        // f32 [1, num_value_heads]
   Tensor linear_norm;           // f32 [1, value_head_dim]: the gated RMSNorm's weight (plain)
   Tensor out_proj;              // [H, value_dim]
