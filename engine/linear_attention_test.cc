@@ -7,6 +7,7 @@
 // model; the CUDA backend refuses the family with a clear error.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -244,6 +245,57 @@ TEST(LinearAttentionTest, MultimodalLayoutAndTextModelLoadTheSameModel) {
   EXPECT_EQ(*la, *lb);
   // The norms are applied as 1 + w: the loaded multipliers sit near 1 (the file holds w near 0).
   EXPECT_NEAR(a->weights->final_norm.f32()[0], 1.0f, 0.11f);
+}
+
+TEST(LinearAttentionTest, BrokenCheckpointsFailNamingTheTensor) {
+  struct Case {
+    const char* what;
+    std::function<void(std::vector<testing::OwnedTensor>&)> edit;
+    const char* needle;
+  } cases[] = {
+      {"A_log missing",
+       [](std::vector<testing::OwnedTensor>& all) {
+         all.erase(std::remove_if(all.begin(), all.end(),
+                                  [](const auto& t) {
+                                    return t.name ==
+                                           "model.language_model.layers.1.linear_attn.A_log";
+                                  }),
+                   all.end());
+       },
+       "layers.1.linear_attn.A_log\" is missing"},
+      {"conv1d of the wrong kernel",
+       [](std::vector<testing::OwnedTensor>& all) {
+         for (auto& t : all) {
+           if (t.name == "model.language_model.layers.0.linear_attn.conv1d.weight") {
+             t.shape = {t.shape[0], 2, t.shape[2] / 2};
+           }
+         }
+       },
+       "layers.0.linear_attn.conv1d.weight\" has shape"},
+      {"q_proj without the gate rows",
+       [](std::vector<testing::OwnedTensor>& all) {
+         for (auto& t : all) {
+           if (t.name == "model.language_model.layers.3.self_attn.q_proj.weight") {
+             t.shape[0] /= 2;
+             t.bytes.resize(t.bytes.size() / 2);
+           }
+         }
+       },
+       "layers.3.self_attn.q_proj.weight\" has shape"},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.what);
+    auto dir = testing::MakeTinyModel("q35bad", kFlags);
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_TRUE(testing::RewriteTensors(*dir + "/model.safetensors", k.edit).ok());
+    LoadOptions lo;
+    lo.progress = false;
+    lo.threads = 2;
+    auto w = LoadModel(*dir, lo);
+    ASSERT_FALSE(w.ok());
+    EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(w.status().message()).find(k.needle), std::string::npos) << w.status();
+  }
 }
 
 TEST(LinearAttentionTest, CudaBackendRefusesTheFamily) {
