@@ -17,8 +17,11 @@
 #if MOE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "common/thread_pool.h"
 #include "engine/cuda/attention/paged_attention.h"
 #include "engine/cuda/experts/routed_experts.h"
+#include "engine/cuda/hybrid/handoff_kernels.h"
+#include "engine/cuda/hybrid/hybrid_profile.h"
 #include "engine/cuda/ops/gemm.h"
 #include "engine/cuda/ops/rope_table.h"
 #include "engine/cuda/ops/token_ops.h"
@@ -239,9 +242,24 @@ struct GpuModel::Impl {
   uint64_t stream_layer_bytes = 0;
   SlotBanks stage[2];
   cudaEvent_t copied[2] = {nullptr, nullptr}, consumed[2] = {nullptr, nullptr};
+  // Hybrid experts: the split table on the device, the CPU's banks (read in place from the
+  // store), its pool, and the handoff (declared last: its worker uses the others).
+  int32_t* d_fetch_table = nullptr;
+  std::vector<cpu_moe::ExpertBank> cpu_banks;
+  cpu_moe::Options cpu_opt;
+  std::unique_ptr<common::ThreadPool> cpu_pool;
+  std::vector<uint8_t> cpu_seen;  // the worker thread's scratch
+  std::atomic<int64_t> cpu_experts{0}, cpu_routes{0};
+  bool pass_hybrid = false;  // the pass being enqueued splits its misses with the CPU
+  std::vector<int32_t> last_fetches;  // experts fetched by each ensure call of the last pass
+  double worker_busy_seen = 0;     // the worker's counters already in `stats`
+  int64_t worker_requests_seen = 0;
+  std::unique_ptr<hybrid::GpuHandoff> handoff;
 
   ~Impl() {
     cudaDeviceSynchronize();
+    handoff.reset();
+    if (d_fetch_table != nullptr) cudaFree(d_fetch_table);
     if (host_block != nullptr) cudaFreeHost(host_block);
     if (h_logits != nullptr) cudaFreeHost(h_logits);
     for (cudaEvent_t e : {copied[0], copied[1], consumed[0], consumed[1]}) {
@@ -266,6 +284,7 @@ struct GpuModel::Impl {
     return absl::OkStatus();
   }
   absl::Status StreamedMoeBlock(const GpuLayer& lw, int rows);
+  absl::Status InitHybrid();
 
   CUstream_st* stream() const { return pair->compute(); }
 
@@ -700,7 +719,97 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
     }
     RETURN_IF_ERROR(NewPinner());
   }
+  if (opt.hybrid && M > 0) RETURN_IF_ERROR(InitHybrid());
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  return absl::OkStatus();
+}
+
+absl::Status GpuModel::Impl::InitHybrid() {
+  const ModelConfig& c = w->config;
+  const int M = c.NumMoeLayers(), E = c.num_experts, K = c.num_experts_per_tok,
+            H = c.hidden_size;
+  if (opt.hybrid_max_rows < 1) {
+    return absl::InvalidArgumentError("hybrid experts: hybrid_max_rows must be at least 1");
+  }
+  const bool panels = w->expert_format != common::WeightFormat::kBf16;
+  cpu_banks.clear();
+  for (int m = 0; m < M; ++m) {
+    const common::ExpertLayerView view = store->LayerView(
+        m, w->expert_format,
+        panels ? common::ExpertLayout::kPanels : common::ExpertLayout::kRowMajor, H,
+        c.moe_intermediate_size);
+    absl::StatusOr<cpu_moe::ExpertBank> bank = cpu_moe::BankFromView(view);
+    if (!bank.ok()) {
+      return absl::Status(bank.status().code(),
+                          absl::StrCat("hybrid experts: MoE layer ", m,
+                                       " of the expert store: ", bank.status().message()));
+    }
+    cpu_banks.push_back(*bank);
+  }
+  int threads = opt.hybrid_threads;
+  if (threads <= 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) - 1);
+  // The polling thread computes too (cpu_moe's caller takes part).
+  cpu_pool = std::make_unique<common::ThreadPool>(threads - 1);
+  if (!(opt.hybrid_profile.pcie_gather_gbps > 0)) {
+    std::fprintf(stderr,
+                 "hybrid experts: no bandwidth profile given; measuring one on this model's "
+                 "experts (about 4 s)\n");
+    ASSIGN_OR_RETURN(hybrid::HybridProfileMeasurement pm,
+                     hybrid::MeasureHybridProfile(*store, cpu_banks, K, cpu_opt, *cpu_pool, 1.0));
+    std::fprintf(stderr,
+                 "hybrid experts: host link %.1f GB/s alone, %.1f beside the CPU; CPU experts "
+                 "%.1f GB/s alone, %.1f beside the link\n",
+                 pm.link_alone_gbps, pm.link_both_gbps, pm.cpu_alone_gbps, pm.cpu_both_gbps);
+    opt.hybrid_profile = pm.profile();
+  }
+  ASSIGN_OR_RETURN(std::vector<int32_t> table, moe_cache::FetchTable(opt.hybrid_profile, E));
+  CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&d_fetch_table), table.size() * 4));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(d_fetch_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+  cpu_seen.assign(E, 0);
+  hybrid::HandoffShape shape;
+  shape.max_rows = std::min(rows_per_call, opt.hybrid_max_rows);
+  shape.top_k = K;
+  shape.hidden = H;
+  ASSIGN_OR_RETURN(
+      handoff,
+      hybrid::GpuHandoff::Create(shape, [this, K, E](int layer, int tokens, const int32_t* ids,
+                                                     const float* weights, const float* x,
+                                                     float* y) -> absl::Status {
+        if (layer < 0 || layer >= static_cast<int>(cpu_banks.size())) {
+          return absl::InternalError(absl::StrCat("hybrid experts: a request for MoE layer ",
+                                                  layer));
+        }
+        const int n = tokens * K;
+        int64_t routes = 0, distinct = 0;
+        for (int i = 0; i < n; ++i) {
+          const int32_t e = ids[i];
+          if (e < 0 || e >= E) continue;
+          ++routes;
+          if (!cpu_seen[e]) {
+            cpu_seen[e] = 1;
+            ++distinct;
+          }
+        }
+        for (int i = 0; i < n; ++i) {
+          if (ids[i] >= 0 && ids[i] < E) cpu_seen[ids[i]] = 0;
+        }
+        cpu_routes.fetch_add(routes, std::memory_order_relaxed);
+        cpu_experts.fetch_add(distinct, std::memory_order_relaxed);
+        return cpu_moe::Forward(cpu_banks[layer], tokens, K, absl::MakeConstSpan(ids, n),
+                                absl::MakeConstSpan(weights, n), x, cpu_moe::DType::kF32, y,
+                                cpu_moe::DType::kF32, cpu_opt, *cpu_pool);
+      }));
+  if (opt.print_plan) {
+    const int show = std::min(E, 8);
+    std::fprintf(stderr,
+                 "hybrid experts: host link %.1f GB/s, CPU experts %.1f GB/s (profile%s): of %d "
+                 "misses in a layer, %d are fetched and %d computed on the CPU by %d threads, "
+                 "in passes of up to %d rows\n",
+                 opt.hybrid_profile.pcie_gather_gbps, opt.hybrid_profile.cpu_expert_gbps,
+                 opt.hybrid_profile.contended ? ", measured under contention" : "", show,
+                 table[show], show - table[show], threads, shape.max_rows);
+  }
   return absl::OkStatus();
 }
 
@@ -741,7 +850,14 @@ absl::Status GpuModel::Impl::MoeBlock(const GpuLayer& lw, int rows) {
     // The single writer of the slot map and the miss plan, on the compute stream.
     RETURN_IF_ERROR(moe_cache::LaunchEnsureExperts(cache->view(), lw.moe_index, ids + at, n * K,
                                                    slot_ids + at, count, plan_entries + at, s,
-                                                   d_ensure_error));
+                                                   d_ensure_error,
+                                                   pass_hybrid ? d_fetch_table : nullptr));
+    // The CPU's share of the misses leaves now, to be computed beside the copy and the GPU's
+    // experts.
+    if (pass_hybrid) {
+      RETURN_IF_ERROR(handoff->Post(lw.moe_index, n, ids + at, slot_ids + at, route_w + at,
+                                    xn + static_cast<int64_t>(r0) * H, s));
+    }
     auto copy = [&](CUstream_st* cs) {
       return moe_cache::LaunchCopyMissing(desc, count, plan_entries + at, gather, cs);
     };
@@ -753,6 +869,7 @@ absl::Status GpuModel::Impl::MoeBlock(const GpuLayer& lw, int rows) {
     RETURN_IF_ERROR(LaunchRoutedExperts(banks, *expert_ws, n, xn + static_cast<int64_t>(r0) * H,
                                         slot_ids + at, route_w + at,
                                         h + static_cast<int64_t>(r0) * H, s, grouping));
+    if (pass_hybrid) RETURN_IF_ERROR(handoff->WaitAndAdd(n, h + static_cast<int64_t>(r0) * H, s));
   }
   if (shared) RETURN_IF_ERROR(LaunchSharedExpertCombine(h, shared_out, gate_logit, rows, H, s));
   return absl::OkStatus();
@@ -883,6 +1000,7 @@ absl::Status GpuModel::Impl::EnqueuePass(absl::Span<const ModelChunk> chunks,
   const int64_t Q = static_cast<int64_t>(nh) * hd;
   const int rows = in.rows, P = in.seqs;
   CUstream_st* s = stream();
+  pass_hybrid = handoff != nullptr && !in.streamed && rows <= opt.hybrid_max_rows;
   if (routing != nullptr) {
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_forced, h_forced,
                                          static_cast<size_t>(M) * rows * K * 4,
@@ -1040,6 +1158,20 @@ absl::Status GpuModel::Impl::FinishPass(const PassInputs& in, std::vector<float>
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (M > 0) RETURN_IF_ERROR(moe_cache::TakeEnsureError(d_ensure_error, s));
+  if (handoff != nullptr) {
+    handoff->Disarm();
+    RETURN_IF_ERROR(handoff->TakeError());
+    const int64_t experts_now = cpu_experts.exchange(0, std::memory_order_relaxed);
+    stats.cpu_experts += experts_now;
+    stats.cpu_routes += cpu_routes.exchange(0, std::memory_order_relaxed);
+    stats.bytes_cpu += static_cast<uint64_t>(experts_now) * store->bytes_per_expert();
+    const double busy = handoff->worker().busy_seconds();
+    const int64_t requests = handoff->worker().requests();
+    stats.cpu_seconds += busy - worker_busy_seen;
+    stats.handoffs += requests - worker_requests_seen;
+    worker_busy_seen = busy;
+    worker_requests_seen = requests;
+  }
   if (in.bucket) {
     for (int r : in.sel_rows) {
       const size_t base = out->size();
@@ -1072,6 +1204,7 @@ absl::Status GpuModel::Impl::FinishPass(const PassInputs& in, std::vector<float>
     }
     if (pinner != nullptr) RETURN_IF_ERROR(pinner->Observe(m, absl::MakeConstSpan(ids, n)));
   }
+  last_fetches.assign(h_counts, h_counts + calls);
   for (int i = 0; i < calls; ++i) {
     stats.misses += h_counts[i];
     stats.bytes_fetched += static_cast<uint64_t>(h_counts[i]) * store->bytes_per_expert();
@@ -1091,6 +1224,14 @@ absl::Status GpuModel::Impl::RunPass(absl::Span<const ModelChunk> chunks,
     while (bucket < static_cast<int>(pieces.size())) bucket <<= 1;
   }
   const PassInputs in = StagePass(chunks, pieces, row0, total_rows, bucket);
+  // The CPU worker polls while the pass runs (FinishPass disarms it; so does a failed enqueue).
+  struct Disarm {
+    hybrid::GpuHandoff* h;
+    ~Disarm() {
+      if (h != nullptr) h->Disarm();
+    }
+  } disarm{handoff.get()};
+  if (handoff != nullptr) handoff->Arm();
   if (bucket > 0 && graphs_on) {
     if (graphs_forced != (routing != nullptr)) {
       // Captured with the other routing source: capture again.
@@ -1233,6 +1374,10 @@ void GpuModel::InjectGraphOutOfMemory(int captures) { impl_->fail_graph_after = 
 void GpuModel::set_graphs(bool on) { impl_->graphs_on = on; }
 bool GpuModel::graphs() const { return impl_->graphs_on; }
 int GpuModel::prefill_stream_min_rows() const { return impl_->stream_min_rows; }
+const std::vector<int32_t>& GpuModel::last_pass_fetches() const { return impl_->last_fetches; }
+moe_cache::BandwidthProfile GpuModel::hybrid_profile() const {
+  return impl_->handoff != nullptr ? impl_->opt.hybrid_profile : moe_cache::BandwidthProfile{};
+}
 absl::Status GpuModel::ResetExpertCache() {
   Impl& m = *impl_;
   if (m.cache == nullptr) return absl::OkStatus();
@@ -1275,6 +1420,11 @@ void GpuModel::InjectGraphOutOfMemory(int) {}
 void GpuModel::set_graphs(bool) {}
 bool GpuModel::graphs() const { return false; }
 int GpuModel::prefill_stream_min_rows() const { return 0; }
+const std::vector<int32_t>& GpuModel::last_pass_fetches() const {
+  static const std::vector<int32_t> none;
+  return none;
+}
+moe_cache::BandwidthProfile GpuModel::hybrid_profile() const { return {}; }
 absl::Status GpuModel::ResetExpertCache() {
   return absl::UnavailableError("GPU model: built without CUDA");
 }

@@ -47,6 +47,7 @@
 #include "engine/model_weights.h"
 #include "engine/routing_override.h"
 #include "moe_cache/gpu/expert_store.h"
+#include "moe_cache/hybrid_split.h"
 #include "moe_cache/policy_core.h"
 
 namespace moe::engine::gpu {
@@ -80,6 +81,17 @@ struct GpuModelOptions {
   bool overlap = true;
   // Print the memory plan's Summary to stderr in Create.
   bool print_plan = true;
+  // Hybrid experts: in passes of at most hybrid_max_rows rows, each ensure call leaves the
+  // share of its misses that hybrid_profile gives the CPU (moe_cache's FetchTable: the link and
+  // the CPU finish together) to cpu_moe, which computes them straight from the store's pinned
+  // memory while the GPU fetches and computes the rest; those experts take no slot. The handoff
+  // runs inside the step, and its graph, through mapped host memory (engine/cuda/hybrid): no
+  // host round trip per layer. Larger passes (prefill) fetch every miss.
+  bool hybrid = false;
+  moe_cache::BandwidthProfile hybrid_profile;
+  int hybrid_max_rows = 64;
+  int hybrid_threads = 0;  // CPU threads computing misses (the polling one included); 0: all
+                           // hardware threads but one
 };
 
 // Counters since Create (or ResetStats), read back after each Forward.
@@ -99,6 +111,13 @@ struct GpuCacheStats {
   int64_t streamed_routes = 0;  // routes of streamed passes (in routes; never cache hits)
   int64_t streamed_layers = 0;  // MoE layers of prefill passes streamed whole (their bytes are
                                 // in bytes_fetched, not in misses)
+  // Hybrid mode: experts computed on the CPU (distinct per ensure call, summed; never in
+  // misses), their routes, the bytes the CPU read for them, and the CPU worker's busy time.
+  int64_t cpu_experts = 0;
+  int64_t cpu_routes = 0;
+  uint64_t bytes_cpu = 0;
+  double cpu_seconds = 0;
+  int64_t handoffs = 0;  // requests the CPU worker answered
 };
 
 class GpuModel final : public ForwardModel {
@@ -141,6 +160,12 @@ class GpuModel final : public ForwardModel {
   absl::Status ResetExpertCache();
   // Rows from which a pass streams its experts (0: streaming off).
   int prefill_stream_min_rows() const;
+  // Experts fetched by each ensure call (one per MoE layer for decode) of the last pass: for
+  // benchmarks that compute a floor from each layer's misses.
+  const std::vector<int32_t>& last_pass_fetches() const;
+  // The bandwidth profile the hybrid split runs on (given or measured at start); zeros when
+  // hybrid experts are off.
+  moe_cache::BandwidthProfile hybrid_profile() const;
 
   // Test hook: the capture of the decode bucket after `captures` more successful ones fails as
   // an out-of-memory of cudaGraphInstantiate would (ResourceExhausted, the pass not run); -1
