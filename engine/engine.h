@@ -122,6 +122,8 @@ struct EngineStats {
   // Expert cache, where one runs (zeros on the CPU backend).
   uint64_t expert_cache_hits = 0;
   uint64_t expert_cache_misses = 0;
+  // Hybrid experts: misses computed on the CPU instead of fetched (distinct per layer and step).
+  uint64_t expert_cpu_computed = 0;
   uint64_t expert_fetched_bytes = 0;
   uint64_t memory_bytes = 0;  // weights + KV pool + scratch
 };

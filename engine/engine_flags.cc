@@ -1,5 +1,7 @@
 #include "engine/engine_flags.h"
 
+#include <cstdlib>
+
 #include <cmath>
 #include <deque>
 #include <string>
@@ -49,6 +51,18 @@ ABSL_FLAG(bool, cuda_graphs, true,
           "GPU engine: replay each decode step (batches of decode tokens only) as a CUDA graph "
           "captured once per batch bucket (1, 2, 4, ... up to --max_batch); false: eager "
           "launches. The CPU engine ignores it");
+
+ABSL_FLAG(std::string, moe_mode, "offload",
+          "GPU engine: where expert misses are computed: offload (every miss fetched over the "
+          "host link into the GPU cache), hybrid (each layer's misses split between the link and "
+          "the CPU by the bandwidth profile, the CPU's computed from host memory and handed off "
+          "inside the decode step), auto (each decode batch size tries both and keeps the "
+          "faster). The CPU engine ignores it");
+ABSL_FLAG(std::string, bandwidth_profile, "",
+          "GPU engine, --moe_mode hybrid or auto: the bandwidth profile of the host link and the "
+          "CPU experts (as //tools:bandwidth_probe writes it); read when it exists, else "
+          "measured at start (a few seconds) and written there. Default: "
+          "~/.cache/moe-offload/bandwidth_profile.txt");
 
 namespace moe::engine {
 
@@ -112,6 +126,23 @@ absl::StatusOr<GpuEngineOptions> GpuEngineOptionsFromFlags() {
         absl::StrCat("--adapt_every=", o.adapt_every, ": must be >= 1"));
   }
   o.graphs = absl::GetFlag(FLAGS_cuda_graphs);
+  const std::string mode = absl::GetFlag(FLAGS_moe_mode);
+  if (mode == "offload") {
+    o.moe_mode = GpuEngineOptions::MoeMode::kOffload;
+  } else if (mode == "hybrid") {
+    o.moe_mode = GpuEngineOptions::MoeMode::kHybrid;
+  } else if (mode == "auto") {
+    o.moe_mode = GpuEngineOptions::MoeMode::kAuto;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--moe_mode=", mode, ": must be one of offload, hybrid, auto"));
+  }
+  o.bandwidth_profile = absl::GetFlag(FLAGS_bandwidth_profile);
+  if (o.bandwidth_profile.empty()) {
+    const char* home = std::getenv("HOME");
+    o.bandwidth_profile =
+        absl::StrCat(home != nullptr ? home : ".", "/.cache/moe-offload/bandwidth_profile.txt");
+  }
   return o;
 }
 

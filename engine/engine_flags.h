@@ -28,6 +28,9 @@ ABSL_DECLARE_FLAG(std::string, backend);
 ABSL_DECLARE_FLAG(double, gpu_expert_budget_gb);
 ABSL_DECLARE_FLAG(std::string, moe_cache_policy);
 ABSL_DECLARE_FLAG(int, adapt_every);
+ABSL_DECLARE_FLAG(bool, cuda_graphs);
+ABSL_DECLARE_FLAG(std::string, moe_mode);
+ABSL_DECLARE_FLAG(std::string, bandwidth_profile);
 
 namespace moe::engine {
 
@@ -36,7 +39,8 @@ namespace moe::engine {
 absl::StatusOr<ModelEngineOptions> ModelEngineOptionsFromFlags();
 
 // The GPU engine's own options (GpuEngineOptions, engine/model_engine.h) come from
-// --gpu_expert_budget_gb, --moe_cache_policy and --adapt_every.
+// --gpu_expert_budget_gb, --moe_cache_policy, --adapt_every, --cuda_graphs, --moe_mode and
+// --bandwidth_profile.
 
 // The cache policies --moe_cache_policy takes, in the order its help lists them.
 const std::vector<std::string>& MoeCachePolicyNames();

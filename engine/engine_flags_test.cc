@@ -93,8 +93,32 @@ TEST(EngineFlagsTest, BadGpuEngineFlagsNameTheFlag) {
   absl::SetFlag(&FLAGS_adapt_every, 0);
   expect_error("adapt_every", "--adapt_every=0: must be >= 1");
   absl::SetFlag(&FLAGS_adapt_every, 16);
+  absl::SetFlag(&FLAGS_moe_mode, "cpu");
+  expect_error("moe_mode", "--moe_mode=cpu: must be one of offload, hybrid, auto");
+  absl::SetFlag(&FLAGS_moe_mode, "offload");
   EXPECT_TRUE(GpuEngineOptionsFromFlags().ok());
   EXPECT_TRUE(ModelEngineOptionsFromFlags().ok());
+}
+
+TEST(EngineFlagsTest, MoeModesAndTheProfilePath) {
+  const std::pair<const char*, GpuEngineOptions::MoeMode> modes[] = {
+      {"offload", GpuEngineOptions::MoeMode::kOffload},
+      {"hybrid", GpuEngineOptions::MoeMode::kHybrid},
+      {"auto", GpuEngineOptions::MoeMode::kAuto}};
+  for (const auto& [name, mode] : modes) {
+    absl::SetFlag(&FLAGS_moe_mode, name);
+    auto o = GpuEngineOptionsFromFlags();
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_EQ(o->moe_mode, mode) << name;
+  }
+  absl::SetFlag(&FLAGS_moe_mode, "offload");
+  auto o = GpuEngineOptionsFromFlags();
+  ASSERT_TRUE(o.ok());
+  EXPECT_NE(o->bandwidth_profile.find(".cache/moe-offload/bandwidth_profile.txt"),
+            std::string::npos);
+  absl::SetFlag(&FLAGS_bandwidth_profile, "/tmp/p.txt");
+  EXPECT_EQ(GpuEngineOptionsFromFlags()->bandwidth_profile, "/tmp/p.txt");
+  absl::SetFlag(&FLAGS_bandwidth_profile, "");
 }
 
 }  // namespace

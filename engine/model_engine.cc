@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <deque>
 #include <filesystem>
@@ -203,8 +204,43 @@ absl::Status ModelEngine::Init() {
     go.adapt_every = options_.gpu.adapt_every;
     go.graphs = options_.gpu.graphs;
     go.deterministic = options_.deterministic;
+    const GpuEngineOptions::MoeMode mode = options_.gpu.moe_mode;
+    const std::string& profile_path = options_.gpu.bandwidth_profile;
+    bool write_profile = false;
+    if (mode != GpuEngineOptions::MoeMode::kOffload) {
+      go.hybrid = true;
+      go.hybrid_auto = mode == GpuEngineOptions::MoeMode::kAuto;
+      go.hybrid_threads = threads;
+      std::error_code ec;
+      if (!profile_path.empty() && std::filesystem::exists(profile_path, ec)) {
+        absl::StatusOr<moe_cache::BandwidthProfile> p =
+            moe_cache::ReadBandwidthProfile(profile_path);
+        if (!p.ok()) {
+          return absl::Status(p.status().code(),
+                              absl::StrCat("--bandwidth_profile ", profile_path, ": ",
+                                           p.status().message(),
+                                           " (delete it to measure a new one at start)"));
+        }
+        go.hybrid_profile = *p;
+        std::fprintf(stderr, "hybrid experts: bandwidth profile from %s\n", profile_path.c_str());
+      } else {
+        write_profile = !profile_path.empty();
+      }
+    }
     ASSIGN_OR_RETURN(std::unique_ptr<gpu::GpuModel> gm,
                      gpu::GpuModel::Create(parts_.weights, store, go));
+    if (write_profile) {
+      std::error_code ec;
+      std::filesystem::create_directories(std::filesystem::path(profile_path).parent_path(), ec);
+      const absl::Status ws = moe_cache::WriteBandwidthProfile(gm->hybrid_profile(), profile_path);
+      if (ws.ok()) {
+        std::fprintf(stderr, "hybrid experts: bandwidth profile written to %s\n",
+                     profile_path.c_str());
+      } else {
+        std::fprintf(stderr, "hybrid experts: could not keep the profile: %s\n",
+                     ws.ToString().c_str());
+      }
+    }
     gpu_model_ = gm.get();
     model_ = std::move(gm);
   } else {
@@ -588,8 +624,9 @@ void ModelEngine::UpdateOccupancy() {
     // expert in a slot, and misses (prefill passes that streamed their experts are neither).
     const gpu::GpuCacheStats& g = gpu_model_->stats();
     stats_.expert_cache_misses = static_cast<uint64_t>(g.misses);
-    stats_.expert_cache_hits =
-        static_cast<uint64_t>(std::max<int64_t>(0, g.routes - g.streamed_routes - g.misses));
+    stats_.expert_cpu_computed = static_cast<uint64_t>(g.cpu_experts);
+    stats_.expert_cache_hits = static_cast<uint64_t>(
+        std::max<int64_t>(0, g.routes - g.streamed_routes - g.misses - g.cpu_routes));
   }
 }
 

@@ -38,6 +38,16 @@ struct GpuEngineOptions {
   bool pin_hot_experts = false;
   int adapt_every = 16;
   bool graphs = true;  // decode steps replayed as CUDA graphs per batch bucket
+  // Where misses are computed: kOffload fetches every miss over the host link; kHybrid leaves
+  // the CPU the share of each layer's misses the bandwidth profile gives it (computed by
+  // cpu_moe from the store's pinned memory, handed off inside the step); kAuto tries both per
+  // decode batch bucket and keeps the faster.
+  enum class MoeMode { kOffload, kHybrid, kAuto };
+  MoeMode moe_mode = MoeMode::kOffload;
+  // The hybrid split's bandwidth profile (moe_cache/hybrid_split.h). Hybrid and auto read it
+  // when the file exists; otherwise the engine measures one at start (a few seconds) and writes
+  // it here. "": measure every start, write nothing.
+  std::string bandwidth_profile;
 };
 
 struct ModelEngineOptions {

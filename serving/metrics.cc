@@ -127,6 +127,9 @@ std::string Metrics::Render(const engine::EngineStats& stats, int queue_depth,
         static_cast<double>(stats.expert_cache_hits), "counter");
   Gauge(&out, "moe_expert_cache_misses_total", "Expert cache misses (0 without a cache).",
         static_cast<double>(stats.expert_cache_misses), "counter");
+  Gauge(&out, "moe_expert_cpu_computed_total",
+        "Expert misses computed on the CPU (hybrid mode) instead of fetched.",
+        static_cast<double>(stats.expert_cpu_computed), "counter");
   Gauge(&out, "moe_expert_fetched_bytes_total", "Bytes of experts fetched on misses.",
         static_cast<double>(stats.expert_fetched_bytes), "counter");
   Gauge(&out, "moe_memory_bytes", "Weights, KV pool and scratch.",

@@ -1,6 +1,7 @@
 #include "engine/cuda/gpu_model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -175,6 +176,9 @@ std::vector<float> ToF32(const Tensor& t) {
 
 }  // namespace
 
+// Auto mode: passes of each decode bucket timed before its mode is fixed (half in each mode).
+constexpr int kAutoTrials = 8;
+
 struct GpuModel::Impl {
   const ModelWeights* w = nullptr;
   const moe_cache::ExpertStore* store = nullptr;
@@ -231,8 +235,13 @@ struct GpuModel::Impl {
 
   // Decode buckets captured as graphs (with the routing mode they were captured in).
   std::unique_ptr<graph_capture::GraphCache> graphs;
+  std::unique_ptr<graph_capture::GraphCache> graphs_hybrid;  // the same buckets in hybrid mode
   bool graphs_on = false;
   bool graphs_forced = false;
+  // Auto mode: per decode bucket, the mode chosen (-1: still trying both), and the trial passes'
+  // times (milliseconds) in each mode.
+  std::vector<int> auto_choice;
+  std::vector<std::vector<double>> auto_ms[2];
   int fail_graph_after = -1;  // test hook: captures until an injected out-of-memory
   // The pinned policy: heat of the routes seen, flags uploaded between forwards.
   std::unique_ptr<moe_cache::HotPinner> pinner;
@@ -710,7 +719,11 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
     int buckets = 0;
     for (int b = 1; b <= max_bucket; b <<= 1) ++buckets;
     graphs = std::make_unique<graph_capture::GraphCache>(buckets);
+    graphs_hybrid = std::make_unique<graph_capture::GraphCache>(buckets);
     graphs_on = opt.graphs;
+    auto_choice.assign(buckets, -1);
+    auto_ms[0].assign(buckets, {});
+    auto_ms[1].assign(buckets, {});
   }
   if (opt.pin_hot_experts && M > 0) {
     if (opt.cache_policy != moe_cache::kPolicyScored || opt.adapt_every < 1) {
@@ -1000,7 +1013,6 @@ absl::Status GpuModel::Impl::EnqueuePass(absl::Span<const ModelChunk> chunks,
   const int64_t Q = static_cast<int64_t>(nh) * hd;
   const int rows = in.rows, P = in.seqs;
   CUstream_st* s = stream();
-  pass_hybrid = handoff != nullptr && !in.streamed && rows <= opt.hybrid_max_rows;
   if (routing != nullptr) {
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_forced, h_forced,
                                          static_cast<size_t>(M) * rows * K * 4,
@@ -1224,23 +1236,44 @@ absl::Status GpuModel::Impl::RunPass(absl::Span<const ModelChunk> chunks,
     while (bucket < static_cast<int>(pieces.size())) bucket <<= 1;
   }
   const PassInputs in = StagePass(chunks, pieces, row0, total_rows, bucket);
+  // Hybrid or offload for this pass. Auto: each decode bucket tries both modes for its first
+  // kAutoTrials passes (alternating), then keeps the faster by median pass time; other passes
+  // fetch every miss.
+  int bucket_index = -1;
+  for (int b = bucket; b > 0; b >>= 1) ++bucket_index;
+  bool trial = false;
+  pass_hybrid = handoff != nullptr && !in.streamed && in.rows <= opt.hybrid_max_rows;
+  if (pass_hybrid && opt.hybrid_auto) {
+    if (bucket_index < 0) {
+      pass_hybrid = false;
+    } else if (auto_choice[bucket_index] >= 0) {
+      pass_hybrid = auto_choice[bucket_index] == 1;
+    } else {
+      trial = true;
+      const size_t done = auto_ms[0][bucket_index].size() + auto_ms[1][bucket_index].size();
+      pass_hybrid = done % 2 == 0;
+    }
+  }
+  const auto pass_start = std::chrono::steady_clock::now();
   // The CPU worker polls while the pass runs (FinishPass disarms it; so does a failed enqueue).
   struct Disarm {
     hybrid::GpuHandoff* h;
     ~Disarm() {
       if (h != nullptr) h->Disarm();
     }
-  } disarm{handoff.get()};
-  if (handoff != nullptr) handoff->Arm();
+  } disarm{pass_hybrid ? handoff.get() : nullptr};
+  if (pass_hybrid) handoff->Arm();
   if (bucket > 0 && graphs_on) {
     if (graphs_forced != (routing != nullptr)) {
       // Captured with the other routing source: capture again.
       int buckets = 0;
       for (int b = 1; b <= max_bucket; b <<= 1) ++buckets;
       graphs = std::make_unique<graph_capture::GraphCache>(buckets);
+      graphs_hybrid = std::make_unique<graph_capture::GraphCache>(buckets);
       graphs_forced = routing != nullptr;
     }
-    if (!graphs->Contains(bucket)) {
+    graph_capture::GraphCache& gc = pass_hybrid ? *graphs_hybrid : *graphs;
+    if (!gc.Contains(bucket)) {
       if (fail_graph_after == 0) {
         fail_graph_after = -1;
         return absl::ResourceExhaustedError(absl::StrCat(
@@ -1250,7 +1283,7 @@ absl::Status GpuModel::Impl::RunPass(absl::Span<const ModelChunk> chunks,
       if (fail_graph_after > 0) --fail_graph_after;
       ++stats.graph_captures;
     }
-    absl::Status st = graphs->Replay(bucket, stream(), [&](int, CUstream_st*) {
+    absl::Status st = gc.Replay(bucket, stream(), [&](int, CUstream_st*) {
       return EnqueuePass(chunks, pieces, in, nullptr);
     });
     if (!st.ok()) {
@@ -1261,7 +1294,30 @@ absl::Status GpuModel::Impl::RunPass(absl::Span<const ModelChunk> chunks,
   } else {
     RETURN_IF_ERROR(EnqueuePass(chunks, pieces, in, out));
   }
-  return FinishPass(in, out);
+  RETURN_IF_ERROR(FinishPass(in, out));
+  if (trial) {
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - pass_start)
+            .count();
+    auto_ms[pass_hybrid ? 1 : 0][bucket_index].push_back(ms);
+    const std::vector<double>& off = auto_ms[0][bucket_index];
+    const std::vector<double>& hyb = auto_ms[1][bucket_index];
+    if (static_cast<int>(off.size() + hyb.size()) >= kAutoTrials) {
+      auto median = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+      };
+      const double mo = median(off), mh = median(hyb);
+      auto_choice[bucket_index] = mh < mo ? 1 : 0;
+      if (opt.print_plan) {
+        std::fprintf(stderr,
+                     "hybrid experts, auto: batch bucket %d: hybrid %.2f ms, offload %.2f ms per "
+                     "pass (medians of %zu and %zu): %s\n",
+                     bucket, mh, mo, hyb.size(), off.size(), mh < mo ? "hybrid" : "offload");
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 GpuModel::GpuModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

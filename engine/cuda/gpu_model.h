@@ -87,7 +87,11 @@ struct GpuModelOptions {
   // memory while the GPU fetches and computes the rest; those experts take no slot. The handoff
   // runs inside the step, and its graph, through mapped host memory (engine/cuda/hybrid): no
   // host round trip per layer. Larger passes (prefill) fetch every miss.
+  // hybrid_auto: each decode batch bucket tries hybrid and offload for its first 8 passes
+  // (alternating) and keeps the faster by median pass time; other passes fetch every miss.
+  // A profile with no host-link figure is measured on the model's own experts in Create.
   bool hybrid = false;
+  bool hybrid_auto = false;
   moe_cache::BandwidthProfile hybrid_profile;
   int hybrid_max_rows = 64;
   int hybrid_threads = 0;  // CPU threads computing misses (the polling one included); 0: all
