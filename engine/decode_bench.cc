@@ -31,10 +31,19 @@
 // the distinct experts of each layer and step, the KV cache) at the device copy bandwidth
 // measured likewise. Each decode case runs eagerly ("eager" rows), then replayed from the
 // bucket's captured CUDA graph ("decode" rows) over the same routing.
+//
+// --moe_modes offload,hybrid,auto adds the hybrid modes (misses split between the host link
+// and cpu_moe, engine/cuda/hybrid), graph rows only, from the same cold cache and routing. The
+// bandwidth profile they split by is measured first on the store's own experts (each path alone
+// and both at once); their rows add the CPU's experts and GB per token, its busy time per step,
+// and a second floor: best-split, the offload run's misses of each layer and step split in whole
+// experts between the link and the CPU so that both finish together (per-expert times from the
+// profile's figures measured together), plus the same GPU-memory reads.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,6 +58,7 @@
 #include "common/thread_pool.h"
 #include "engine/cpu_expert_backend.h"
 #include "engine/cuda/gpu_model.h"
+#include "engine/cuda/hybrid/hybrid_profile.h"
 #include "engine/cuda/link_probe.h"
 #include "engine/forward_model.h"
 #include "engine/kv_cache.h"
@@ -75,6 +85,12 @@ ABSL_FLAG(std::string, json, "", "also write the results here");
 ABSL_FLAG(std::string, backend, "cpu", "cpu, or cuda (the GPU model with the expert cache)");
 ABSL_FLAG(std::string, expert_fractions, "0.1,0.25,0.5",
           "cuda: shares of each layer's experts that get a GPU slot, one run each");
+ABSL_FLAG(std::string, moe_modes, "offload",
+          "cuda: where misses are computed, comma-separated, each timed from the same cold cache: "
+          "offload (every miss over the host link), hybrid (misses split with the CPU by the "
+          "bandwidth profile measured in the run), auto (timed after its start-up trials); "
+          "offload always runs first (its misses give both floors)");
+ABSL_FLAG(bool, eager, true, "cuda: also time offload decode with eager launches");
 
 namespace moe::engine {
 namespace {
@@ -169,6 +185,16 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
             C = absl::GetFlag(FLAGS_context);
   const int max_batch = *std::max_element(batches.begin(), batches.end());
   const int M = cfg.NumMoeLayers(), E = cfg.num_experts, K = cfg.num_experts_per_tok;
+  std::vector<std::string> modes = {"offload"};
+  for (absl::string_view m : absl::StrSplit(absl::GetFlag(FLAGS_moe_modes), ',')) {
+    if (m == "offload") continue;
+    if (m != "hybrid" && m != "auto") {
+      std::fprintf(stderr, "bad --moe_modes entry '%s' (offload, hybrid, auto)\n",
+                   std::string(m).c_str());
+      return 2;
+    }
+    modes.emplace_back(m);
+  }
   const int V = cfg.vocab_size, bs = 16;
   for (absl::string_view fname : absl::StrSplit(absl::GetFlag(FLAGS_formats), ',')) {
     auto format = common::ParseWeightFormat(std::string_view(fname.data(), fname.size()));
@@ -219,6 +245,47 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
                      ? "pinned"
                      : "pageable");
     const uint64_t dense_bytes = DenseBytes(w);
+    // Hybrid modes: the CPU's banks (the store's memory, read in place) and the bandwidth
+    // profile measured on them, both paths alone and together.
+    hybrid::HybridProfileMeasurement hp;
+    if (modes.size() > 1) {
+      std::vector<cpu_moe::ExpertBank> cpu_banks;
+      const bool panels = *format != common::WeightFormat::kBf16;
+      for (int m = 0; m < M; ++m) {
+        auto bank = cpu_moe::BankFromView((*store)->LayerView(
+            m, *format, panels ? common::ExpertLayout::kPanels : common::ExpertLayout::kRowMajor,
+            cfg.hidden_size, cfg.moe_intermediate_size));
+        if (!bank.ok()) {
+          std::fprintf(stderr, "%s\n", bank.status().ToString().c_str());
+          return 1;
+        }
+        cpu_banks.push_back(*bank);
+      }
+      auto m = hybrid::MeasureHybridProfile(**store, cpu_banks, K, cpu_moe::Options(), pool, 2.0);
+      if (!m.ok()) {
+        std::fprintf(stderr, "%s\n", m.status().ToString().c_str());
+        return 1;
+      }
+      hp = *m;
+      std::printf("%s hybrid profile (this run, %.1f MB per expert): host link %.1f GB/s alone, "
+                  "%.1f beside the CPU; CPU experts %.1f GB/s alone, %.1f beside the link\n",
+                  std::string(fname).c_str(), hp.bytes_per_expert / 1e6, hp.link_alone_gbps,
+                  hp.link_both_gbps, hp.cpu_alone_gbps, hp.cpu_both_gbps);
+      out["hybrid_profile"][std::string(fname)] = {{"link_alone_gbps", hp.link_alone_gbps},
+                                                   {"link_both_gbps", hp.link_both_gbps},
+                                                   {"cpu_alone_gbps", hp.cpu_alone_gbps},
+                                                   {"cpu_both_gbps", hp.cpu_both_gbps},
+                                                   {"bytes_per_expert", hp.bytes_per_expert}};
+    }
+    // Seconds per expert on each path with both busy: the best-split floor's unit costs.
+    const double t_link = hp.link_both_gbps > 0 ? expert_bytes / (hp.link_both_gbps * 1e9) : 0;
+    const double t_cpu = hp.cpu_both_gbps > 0 ? expert_bytes / (hp.cpu_both_gbps * 1e9) : 0;
+    // The best whole-expert split of n misses between the link and the CPU.
+    auto best_split = [&](int n) {
+      double best = n * t_link;
+      for (int f = 0; f < n; ++f) best = std::min(best, std::max(f * t_link, (n - f) * t_cpu));
+      return best;
+    };
     const uint64_t kv_token_bytes =
         2ull * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2;  // bf16
     auto tokens = [&](int n, int seed) {
@@ -227,8 +294,19 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
       return t;
     };
     for (double frac : fractions) {
+     // Per batch size, the offload run's floors (seconds for its timed steps): offload-only and
+     // best-split.
+     std::map<int, std::pair<double, double>> floors;
+     for (const std::string& mode : modes) {
       const int slots = std::max(K, static_cast<int>(frac * E + 0.5));
       gpu::GpuModelOptions go;
+      go.print_plan = mode == "offload";
+      if (mode != "offload") {
+        go.hybrid = true;
+        go.hybrid_auto = mode == "auto";
+        go.hybrid_profile = hp.profile();
+        go.hybrid_max_rows = max_batch;
+      }
       go.max_batch = max_batch;
       go.max_step_tokens = std::max(P, max_batch);
       go.max_context = (std::max(P, C + 2 * S + 2) + 1 + bs - 1) / bs * bs;
@@ -243,19 +321,37 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
       gpu::GpuModel& gm = **model;
       KvBlockAllocator alloc(gm.kv_blocks(), bs);
       auto report = [&](const char* kind, int B, int steps, int n_tokens, double secs,
-                        double floor_s, const gpu::GpuCacheStats& st) {
+                        double floor_s, const gpu::GpuCacheStats& st, double split_floor_s) {
         const double tok_s = n_tokens / secs;
         const double floor_tok_s = n_tokens / floor_s;
         std::printf(
-            "%-5s %-7s slots %3d/%d (%2.0f%%)  batch %2d  %9.2f tok/s  floor %9.2f tok/s "
+            "%-5s %-7s %-7s slots %3d/%d (%2.0f%%)  batch %2d  %9.2f tok/s  floor %9.2f tok/s "
             "(%.2f of it)  misses/token %6.1f  GB fetched/token %.3f  %.2f ms/step above "
             "floor\n",
-            std::string(fname).c_str(), kind, slots, E, 100.0 * slots / E, B, tok_s, floor_tok_s,
-            tok_s / floor_tok_s, static_cast<double>(st.misses) / n_tokens,
+            std::string(fname).c_str(), mode.c_str(), kind, slots, E, 100.0 * slots / E, B, tok_s,
+            floor_tok_s, tok_s / floor_tok_s, static_cast<double>(st.misses) / n_tokens,
             st.bytes_fetched / 1e9 / n_tokens, (secs - floor_s) * 1e3 / steps);
+        if (split_floor_s > 0) {
+          std::printf("      best-split floor %9.2f tok/s (%.2f of it, %.2f ms/step above)  CPU: "
+                      "%.1f experts/token, GB/token %.3f, busy %.2f ms/step, %lld handoffs\n",
+                      n_tokens / split_floor_s, tok_s * split_floor_s / n_tokens,
+                      (secs - split_floor_s) * 1e3 / steps,
+                      static_cast<double>(st.cpu_experts) / n_tokens, st.bytes_cpu / 1e9 / n_tokens,
+                      st.cpu_seconds * 1e3 / steps, static_cast<long long>(st.handoffs));
+        }
         std::fflush(stdout);
         out["cases"].push_back({{"backend", "cuda"},
                                 {"format", std::string(fname)},
+                                {"moe_mode", mode},
+                                {"best_split_floor_tok_s",
+                                 split_floor_s > 0 ? n_tokens / split_floor_s : 0.0},
+                                {"fraction_of_best_split_floor",
+                                 split_floor_s > 0 ? tok_s * split_floor_s / n_tokens : 0.0},
+                                {"cpu_experts_per_token",
+                                 static_cast<double>(st.cpu_experts) / n_tokens},
+                                {"gb_cpu_per_token", st.bytes_cpu / 1e9 / n_tokens},
+                                {"cpu_busy_ms_per_step", st.cpu_seconds * 1e3 / steps},
+                                {"handoffs", st.handoffs},
                                 {"kind", kind},
                                 {"slots_per_layer", slots},
                                 {"experts_per_layer", E},
@@ -279,7 +375,7 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
                    (bw->device_gbps * 1e9);
       };
       // Prefill: one sequence of P tokens, run twice, the second timed.
-      if (P > 0) {
+      if (P > 0 && mode == "offload") {
         std::vector<int32_t> table;
         alloc.Allocate((P + bs - 1) / bs, &table);
         const std::vector<int32_t> prompt = tokens(P, 1);
@@ -300,7 +396,7 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
         }
         report("prefill", 1, 1, P, secs,
                floor_seconds(gm.stats(), 1, static_cast<double>(kv_token_bytes) * P / 2.0),
-               gm.stats());
+               gm.stats(), 0.0);
         alloc.Free(&table);
         gm.set_routing_override(nullptr);
       }
@@ -324,9 +420,12 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
         // Eager launches, then graph replays, each over the same routing (the trace rewound) from
         // an empty expert cache.
         int pos = C;
-        for (bool graphs : {false, true}) {
+        std::vector<bool> graph_modes = {true};
+        if (mode == "offload" && absl::GetFlag(FLAGS_eager)) graph_modes = {false, true};
+        for (bool graphs : graph_modes) {
           gm.set_graphs(graphs);
           if (routing) routing->Rewind();
+          double split_s = 0;  // the best-split floor's link/CPU part of the timed steps
           auto decode_step = [&]() -> absl::Status {
             chunks.clear();
             for (int b = 0; b < B; ++b) {
@@ -336,16 +435,20 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
             ++pos;
             logits.clear();
             RETURN_IF_ERROR(gm.Forward(chunks, &logits));
+            for (int32_t n : gm.last_pass_fetches()) split_s += best_split(n);
             for (int b = 0; b < B; ++b) {
               next[b] = ArgMax(logits.data() + static_cast<size_t>(b) * V, V);
             }
             return absl::OkStatus();
           };
-          // An untimed step (the graph's capture), then both modes from the same cold cache.
+          // An untimed step (the graph's capture; auto: the start-up trials of both modes), then
+          // every mode from the same cold cache.
           st = decode_step();
+          for (int i = 1; mode == "auto" && i < 8 && st.ok(); ++i) st = decode_step();
           if (routing) routing->Rewind();
           if (st.ok()) st = gm.ResetExpertCache();
           gm.ResetStats();
+          split_s = 0;
           double kv_bytes = 0;
           const auto t1 = Clock::now();
           for (int step = 0; step < S && st.ok(); ++step) {
@@ -357,12 +460,25 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
             return 1;
           }
           const double secs = std::chrono::duration<double>(Clock::now() - t1).count();
-          report(graphs ? "decode" : "eager", B, S, B * S, secs,
-                 floor_seconds(gm.stats(), S, kv_bytes), gm.stats());
+          double floor_s = floor_seconds(gm.stats(), S, kv_bytes);
+          // The best split of the offload run's misses, plus what every mode reads from GPU
+          // memory (the offload run's floor minus its link part).
+          double split_floor_s = 0;
+          if (mode == "offload" && graphs) {
+            const double link_s = gm.stats().bytes_fetched / (bw->host_to_device_gbps * 1e9);
+            if (t_cpu > 0) split_floor_s = floor_s - link_s + split_s;
+            floors[B] = {floor_s, split_floor_s};
+          } else if (mode != "offload" && floors.count(B)) {
+            floor_s = floors[B].first;
+            split_floor_s = floors[B].second;
+          }
+          report(graphs ? "decode" : "eager", B, S, B * S, secs, floor_s, gm.stats(),
+                 split_floor_s);
         }
         gm.set_routing_override(nullptr);
         for (auto& t : tables) alloc.Free(&t);
       }
+     }
     }
   }
   const std::string path = absl::GetFlag(FLAGS_json);
