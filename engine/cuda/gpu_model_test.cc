@@ -304,6 +304,11 @@ TEST(GpuModelTest, HfFixturesMatchTransformersAndCpu) {
       if (mode == 1) o.max_step_tokens = 256;
       o.deterministic = mode == 2;
       auto gm = GpuModel::Create(w.get(), w->experts.get(), o);
+      if (gm.status().code() == absl::StatusCode::kUnimplemented) {
+        // A family the CUDA backend does not serve yet: it must say so at Create.
+        std::printf("%s: %s\n", dir.filename().c_str(), std::string(gm.status().message()).c_str());
+        break;
+      }
       ASSERT_TRUE(gm.ok()) << gm.status();
       CpuRef cpu(*w, ctx, o.kv_blocks);
       KvBlockAllocator alloc(o.kv_blocks, kBlock);
