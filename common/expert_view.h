@@ -38,6 +38,9 @@ struct ExpertLayerView {
   ExpertArray down;      // [H, I] per expert
   ExpertArray gate_up_scales, down_scales;              // fp8_block's block scales (float)
   ExpertArray gate_up_global_scale, down_global_scale;  // nvfp4: one float per expert
+  // nvfp4, optional: the up rows' own global scale (gate_up_global_scale then covers the gate
+  // rows only); absent: gate_up_global_scale covers all 2I rows.
+  ExpertArray up_global_scale;
 };
 
 }  // namespace moe::common

@@ -534,6 +534,15 @@ absl::StatusOr<ExpertBank> BankFromView(const common::ExpertLayerView& v) {
     b.gate_up_global_scales = static_cast<const float*>(g.data);
     b.down_global_scales = static_cast<const float*>(d.data);
     b.global_scale_stride = static_cast<int>(g.pitch / sizeof(float));
+    const common::ExpertArray& u = v.up_global_scale;
+    if (u.data != nullptr) {
+      if (u.pitch != g.pitch) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "expert view: nvfp4 up_global_scale has a pitch of ", u.pitch,
+            " bytes, the other global scales ", g.pitch));
+      }
+      b.up_global_scales = static_cast<const float*>(u.data);
+    }
   }
   RETURN_IF_ERROR(ValidateBank(b));
   return b;
@@ -590,9 +599,15 @@ absl::StatusOr<std::unique_ptr<PanelBank>> PackPanels(const ExpertBank& row_majo
     for (size_t e = 0; e < static_cast<size_t>(E); ++e) {
       out->gate_up_global_scales.push_back(row_major.gate_up_global_scales[e * stride]);
       out->down_global_scales.push_back(row_major.down_global_scales[e * stride]);
+      if (row_major.up_global_scales != nullptr) {
+        out->up_global_scales.push_back(row_major.up_global_scales[e * stride]);
+      }
     }
     b.gate_up_global_scales = out->gate_up_global_scales.data();
     b.down_global_scales = out->down_global_scales.data();
+    b.up_global_scales =
+        row_major.up_global_scales != nullptr ? out->up_global_scales.data() : nullptr;
+    b.global_scale_stride = 1;
   }
   return out;
 }

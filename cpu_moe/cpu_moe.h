@@ -50,7 +50,9 @@ class OnednnExperts;  // onednn_experts.h
 //   kQ4_0:     common::BlockQ4_0 [rows, cols/32] (scales inside the blocks).
 //   kMxfp4:    uint8_t packed [rows, cols/2]; `*_scales` uint8_t ue8m0 [rows, cols/32].
 //   kNvfp4:    uint8_t packed [rows, cols/2]; `*_scales` uint8_t e4m3 [rows, cols/16];
-//              `*_global_scales` float [E] (one per expert tensor).
+//              `*_global_scales` float [E] (one per expert tensor); gate_up's apply to all 2I
+//              rows unless `up_global_scales` gives the up rows their own (checkpoints that
+//              quantize gate_proj and up_proj as two tensors, each with its per-tensor scale).
 //
 // Layout::kPanels (q4_0, mxfp4, nvfp4; made by PackPanels): each matrix is stored in panels of
 // 16 rows, so that int32 lane j of every 512-bit vector of a panel is row j and one dot-product
@@ -79,6 +81,10 @@ struct ExpertBank {
   const void* gate_up_weights = nullptr;
   const void* gate_up_scales = nullptr;
   const float* gate_up_global_scales = nullptr;
+  // nvfp4 only: the global scales of rows [I, 2I) of gate_up (up_proj), [E] with
+  // global_scale_stride; nullptr: gate_up_global_scales serve those rows too. Applied exactly
+  // where gate_up_global_scales is, so equal values give bit-identical results.
+  const float* up_global_scales = nullptr;
   const void* down_weights = nullptr;
   const void* down_scales = nullptr;
   const float* down_global_scales = nullptr;
@@ -222,6 +228,7 @@ struct PanelBank {
   common::AlignedBuffer<uint8_t> gate_up;
   common::AlignedBuffer<uint8_t> down;
   std::vector<float> gate_up_global_scales;
+  std::vector<float> up_global_scales;  // empty unless the source bank had them
   std::vector<float> down_global_scales;
 };
 

@@ -808,6 +808,73 @@ TEST_F(CpuMoeTest, PackPanelsRejectsWhatItCannotPack) {
   EXPECT_EQ(PackPanels(no_scales).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// nvfp4 with the up rows' own global scales (ExpertBank::up_global_scales), on every target, row
+// major and in panels, block-lane and plain: against the float64 reference on weights
+// dequantized with each half's scale; without the up scales the same run misses the reference
+// (the test can fail); with up scales equal to the gate's, bit-identical to the bank without
+// them.
+TEST_F(CpuMoeTest, Nvfp4UpGlobalScales) {
+  std::mt19937_64 rng(2024);
+  HostBank hb = MakeRandomBank(WeightFormat::kNvfp4, kE, kH, kI, 19);
+  // Up rows' global scale 1.5-4.5x the gate's, differing per expert: the up rows now dequantize
+  // to codes x block scale x their own global scale.
+  std::vector<float> up_g(kE), same_g = hb.gate_up_g;
+  for (int e = 0; e < kE; ++e) up_g[e] = hb.gate_up_g[e] * (1.5f + 0.2f * static_cast<float>(e));
+  const size_t H = kH, I = kI;
+  for (size_t e = 0; e < kE; ++e) {
+    for (size_t r = I; r < 2 * I; ++r) {
+      const size_t row = e * 2 * I + r;
+      common::DequantizeRowNvfp4(hb.gate_up_w.data() + row * H / 2,
+                                 hb.gate_up_s.data() + row * H / common::kNvfp4Block, up_g[e], H,
+                                 hb.gate_up_f.data() + row * H);
+    }
+  }
+  const ExpertBank gate_only = hb.bank;
+  ExpertBank split = hb.bank, equal = hb.bank;
+  split.up_global_scales = up_g.data();
+  equal.up_global_scales = same_g.data();
+  absl::StatusOr<std::unique_ptr<PanelBank>> split_p = PackPanels(split, &pool_);
+  absl::StatusOr<std::unique_ptr<PanelBank>> equal_p = PackPanels(equal, &pool_);
+  absl::StatusOr<std::unique_ptr<PanelBank>> gate_p = PackPanels(gate_only, &pool_);
+  ASSERT_TRUE(split_p.ok() && equal_p.ok() && gate_p.ok());
+  ASSERT_NE((*split_p)->bank.up_global_scales, nullptr);
+  EXPECT_EQ((*gate_p)->bank.up_global_scales, nullptr);
+  for (int T : {1, 5, 16}) {
+    const Routing r = MakeRouting(T, kE, kTopK, 1.2, rng);
+    const std::vector<float> x = RandomX(T, kH, rng);
+    Options exact;
+    exact.bf16_dot_product = false;
+    std::vector<double> ref, scale, flip;
+    ReferenceForward(hb, T, kTopK, r.ids, r.weights, x, exact, true, &ref, &scale, &flip);
+    for (const std::string& target : AvailableTargets()) {
+      for (int alt : {0, 1, 2}) {  // row major block-lane, row major plain, panels
+        Options o;
+        o.max_target = target;
+        Tuning tu;
+        tu.block_lane = alt == 0;
+        const bool panel = alt == 2;
+        const std::string what =
+            absl::StrCat("T=", T, " target=", target, " block_lane=", alt == 0, " panels=", panel);
+        auto run = [&](const ExpertBank& b) {
+          std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
+          EXPECT_TRUE(internal::Forward(b, T, kTopK, r.ids, r.weights, x, absl::MakeSpan(y), o,
+                                        tu, pool_)
+                          .ok())
+              << what;
+          return y;
+        };
+        const std::vector<float> y_split = run(panel ? (*split_p)->bank : split);
+        EXPECT_LE(WorstRatio(y_split, ref, scale, flip), 1.0) << what;
+        const std::vector<float> y_gate = run(panel ? (*gate_p)->bank : gate_only);
+        EXPECT_GT(WorstRatio(y_gate, ref, scale, flip), 10.0) << what;
+        const std::vector<float> y_equal = run(panel ? (*equal_p)->bank : equal);
+        EXPECT_EQ(std::memcmp(y_equal.data(), y_gate.data(), y_gate.size() * sizeof(float)), 0)
+            << what;
+      }
+    }
+  }
+}
+
 // Panel banks take whole panels per work item: row counts that are not multiples of 16 (and
 // blocks with an odd number of panels) give the same results as the defaults.
 TEST_F(CpuMoeTest, PanelItemRowsAnyValue) {

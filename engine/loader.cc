@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
+#include <cmath>
+#include <fstream>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -21,6 +24,7 @@
 #include "engine/safetensors.h"
 #include "moe_cache/gpu/bank_layout.h"
 #include "moe_cache/gpu/expert_store.h"
+#include "nlohmann/json.hpp"
 
 namespace moe::engine {
 namespace {
@@ -60,19 +64,36 @@ float ScalarToFloat(StDtype dtype, const uint8_t* p) {
 
 // A [rows, cols] matrix in a checkpoint: a whole 2-D tensor (or a 1-D one as one row), or one
 // expert's rows of a fused 3-D tensor. F8_E4M3 matrices carry their 128x128 block scales
-// ([ceil(rows/128), ceil(cols/128)], real = fp8 * scale_inv). A view into the checkpoint's
-// mapping (owns nothing); its methods are const and may run on any number of threads.
+// ([ceil(rows/128), ceil(cols/128)], real = fp8 * scale_inv). NVFP4 matrices (ModelOpt's export,
+// dtype U8) are [rows, cols / 2] bytes of e2m1 codes, element 2i in the low nibble of byte i
+// and 2i + 1 in the high one, with e4m3 scales per 16 elements of a row ([rows, cols / 16],
+// `weight_scale`) and one fp32 scale per tensor (`weight_scale_2`): real = e2m1 * e4m3 * global.
+// A view into the checkpoint's mapping (owns nothing); its methods are const and may run on any
+// number of threads.
 struct MatrixSource {
   const StTensor* tensor = nullptr;
   const uint8_t* data = nullptr;
   int64_t rows = 0, cols = 0;
   StDtype dtype = StDtype::kF32;
   const StTensor* scale_inv = nullptr;
+  const uint8_t* block_scales = nullptr;  // NVFP4: e4m3 [rows, cols / 16]
+  float global_scale = 1.0f;              // NVFP4: weight_scale_2
 
   bool is_fp8() const { return dtype == StDtype::kF8E4M3; }
+  bool is_nvfp4() const { return dtype == StDtype::kU8; }
 
   // Row r as floats.
   void RowToFloat(int64_t r, float* out) const {
+    if (is_nvfp4()) {
+      const uint8_t* row = data + r * (cols / 2);
+      const uint8_t* sc = block_scales + r * (cols / common::kNvfp4Block);
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint8_t code = c % 2 == 0 ? row[c / 2] & 0xF : row[c / 2] >> 4;
+        out[c] = common::Fp4E2M1ToFloat(code) *
+                 common::Fp8E4M3ToFloat(sc[c / common::kNvfp4Block]) * global_scale;
+      }
+      return;
+    }
     const int esize = StDtypeSize(dtype);
     const uint8_t* row = data + r * cols * esize;
     switch (dtype) {
@@ -124,7 +145,9 @@ struct MatrixSource {
 // outlive it and the MatrixSources it returns; const after construction, so thread-compatible.
 class TensorFinder {
  public:
-  explicit TensorFinder(const Checkpoint& ckpt) : ckpt_(ckpt) {}
+  // nvfp4: the checkpoint declares NVFP4 quantization (ReadQuantization), so U8 matrices are
+  // NVFP4 codes.
+  TensorFinder(const Checkpoint& ckpt, bool nvfp4) : ckpt_(ckpt), nvfp4_(nvfp4) {}
 
   bool Has(const std::string& name) const { return ckpt_.Find(name) != nullptr; }
 
@@ -136,6 +159,10 @@ class TensorFinder {
     if (t == nullptr) {
       return absl::InvalidArgumentError(
           absl::StrCat(ckpt_.description(), ": tensor \"", name, "\" is missing"));
+    }
+    if (t->dtype == StDtype::kU8) {
+      if (nvfp4_ && !vector) return Nvfp4Matrix(*t, name, rows, cols);
+      RETURN_IF_ERROR(CheckDtype(*t, /*allow_fp8=*/true));
     }
     const std::vector<int64_t> want =
         vector ? std::vector<int64_t>{cols} : std::vector<int64_t>{rows, cols};
@@ -201,11 +228,72 @@ class TensorFinder {
     const bool ok = t.dtype == StDtype::kF32 || t.dtype == StDtype::kBf16 ||
                     t.dtype == StDtype::kF16 || (allow_fp8 && t.dtype == StDtype::kF8E4M3);
     if (!ok) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(*t.file, ": tensor \"", t.name, "\" has dtype ", StDtypeName(t.dtype),
-                       ", expected F32, BF16, F16", allow_fp8 ? " or F8_E4M3" : ""));
+      return absl::InvalidArgumentError(absl::StrCat(
+          *t.file, ": tensor \"", t.name, "\" has dtype ", StDtypeName(t.dtype),
+          ", expected F32, BF16, F16", allow_fp8 ? " or F8_E4M3" : "",
+          t.dtype == StDtype::kU8 && !nvfp4_
+              ? " (U8 weights are read as NVFP4 only when hf_quant_config.json or config.json's "
+                "quantization_config says quant_algo NVFP4)"
+              : ""));
     }
     return absl::OkStatus();
+  }
+
+  // An NVFP4 matrix [rows, cols]: `name` U8 [rows, cols / 2], its `name`_scale F8_E4M3
+  // [rows, cols / 16] and `name`_scale_2 one F32 (shape [] or [1]). The activation scale
+  // (input_scale) is not needed for weight-only use and is not read.
+  absl::StatusOr<MatrixSource> Nvfp4Matrix(const StTensor& t, const std::string& name,
+                                           int64_t rows, int64_t cols) const {
+    if (cols % common::kNvfp4Block != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          *t.file, ": NVFP4 tensor \"", name, "\" has ", cols,
+          " input features, not a multiple of the group size ", common::kNvfp4Block));
+    }
+    const std::vector<int64_t> want = {rows, cols / 2};
+    if (t.shape != want) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          *t.file, ": NVFP4 tensor \"", name, "\" has shape ", ShapeStr(t.shape), ", expected ",
+          ShapeStr(want), " (two e2m1 codes per byte)"));
+    }
+    const std::string sname = name + "_scale", gname = name + "_scale_2";
+    const StTensor* sc = ckpt_.Find(sname);
+    if (sc == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(ckpt_.description(), ": tensor \"", sname,
+                                                     "\" (the e4m3 group scales of NVFP4 \"",
+                                                     name, "\") is missing"));
+    }
+    const std::vector<int64_t> swant = {rows, cols / common::kNvfp4Block};
+    if (sc->dtype != StDtype::kF8E4M3 || sc->shape != swant) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          *sc->file, ": tensor \"", sname, "\" is ", StDtypeName(sc->dtype), " ",
+          ShapeStr(sc->shape), ", expected F8_E4M3 ", ShapeStr(swant), " (one scale per ",
+          common::kNvfp4Block, " weights)"));
+    }
+    const StTensor* g = ckpt_.Find(gname);
+    if (g == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(ckpt_.description(), ": tensor \"", gname,
+                                                     "\" (the per-tensor scale of NVFP4 \"",
+                                                     name, "\") is missing"));
+    }
+    if (g->dtype != StDtype::kF32 || g->numel() != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(*g->file, ": tensor \"", gname, "\" is ", StDtypeName(g->dtype), " ",
+                       ShapeStr(g->shape), ", expected one F32 (the per-tensor scale)"));
+    }
+    MatrixSource s;
+    s.tensor = &t;
+    s.data = t.data;
+    s.rows = rows;
+    s.cols = cols;
+    s.dtype = StDtype::kU8;
+    s.block_scales = sc->data;
+    std::memcpy(&s.global_scale, g->data, sizeof(float));
+    if (!std::isfinite(s.global_scale) || s.global_scale <= 0.0f) {
+      return absl::InvalidArgumentError(absl::StrCat(*g->file, ": tensor \"", gname, "\" is ",
+                                                     s.global_scale,
+                                                     ", expected a positive finite scale"));
+    }
+    return s;
   }
 
   absl::Status AttachScales(const std::string& name, MatrixSource* s) const {
@@ -232,6 +320,7 @@ class TensorFinder {
   }
 
   const Checkpoint& ckpt_;
+  bool nvfp4_;
 };
 
 // One dense tensor to fill.
@@ -281,7 +370,7 @@ int64_t FourBitRowBytes(WeightFormat f, int64_t cols) {
 // Bank indices in the store, per format (see ModelWeights::experts).
 struct Banks {
   int gate_up = -1, down = -1, gate_up_scales = -1, down_scales = -1;
-  int gate_up_global = -1, down_global = -1;
+  int gate_up_global = -1, up_global = -1, down_global = -1;
 };
 
 absl::StatusOr<moe_cache::BankLayout> MakeLayout(WeightFormat f, int64_t H, int64_t I, Banks* banks,
@@ -309,7 +398,10 @@ absl::StatusOr<moe_cache::BankLayout> MakeLayout(WeightFormat f, int64_t H, int6
       banks->gate_up = add("gate_up", 2 * I * FourBitRowBytes(f, H));
       banks->down = add("down", H * FourBitRowBytes(f, I));
       if (f == WeightFormat::kNvfp4) {
+        // gate_up_global_scale serves the gate rows, up_global_scale the up rows (equal unless
+        // the checkpoint quantized gate_proj and up_proj with different per-tensor scales).
         banks->gate_up_global = add("gate_up_global_scale", 4);
+        banks->up_global = add("up_global_scale", 4);
         banks->down_global = add("down_global_scale", 4);
       }
       break;
@@ -471,15 +563,41 @@ class ExpertConverter {
     }
   }
 
+  // NVFP4 sources into nvfp4 banks: the codes and e4m3 scales as they are (the checkpoint's
+  // row-major layout and nibble order are cpu_moe's), gate and up each with its own global scale.
+  bool Nvfp4Passthrough(const ExpertJob& job) const {
+    return f_ == WeightFormat::kNvfp4 && job.gate.is_nvfp4() && job.up.is_nvfp4() &&
+           job.down.is_nvfp4();
+  }
+
+  static void CopyNvfp4(const MatrixSource& m, uint8_t* codes, uint8_t* scales) {
+    std::memcpy(codes, m.data, m.rows * m.cols / 2);
+    std::memcpy(scales, m.block_scales, m.rows * m.cols / common::kNvfp4Block);
+  }
+
   absl::Status RunFourBit(const ExpertJob& job, Scratch& s) const {
-    GateUpToFloat(job, s);
-    float gu_global = 1.0f, dn_global = 1.0f;
-    if (f_ == WeightFormat::kNvfp4) {
-      gu_global = common::Nvfp4GlobalScale(s.gate_up.data(), 2 * I_ * H_);
-      dn_global = common::Nvfp4GlobalScale(s.down.data(), H_ * I_);
+    float gu_global = 1.0f, up_global = 1.0f, dn_global = 1.0f;
+    if (Nvfp4Passthrough(job)) {
+      const int64_t half_codes = I_ * H_ / 2, half_scales = I_ * H_ / common::kNvfp4Block;
+      s.gu_codes.resize(2 * half_codes);
+      s.gu_scales.resize(2 * half_scales);
+      s.down_codes.resize(H_ * I_ / 2);
+      s.down_scales.resize(H_ * I_ / common::kNvfp4Block);
+      CopyNvfp4(job.gate, s.gu_codes.data(), s.gu_scales.data());
+      CopyNvfp4(job.up, s.gu_codes.data() + half_codes, s.gu_scales.data() + half_scales);
+      CopyNvfp4(job.down, s.down_codes.data(), s.down_scales.data());
+      gu_global = job.gate.global_scale;
+      up_global = job.up.global_scale;
+      dn_global = job.down.global_scale;
+    } else {
+      GateUpToFloat(job, s);
+      if (f_ == WeightFormat::kNvfp4) {
+        gu_global = up_global = common::Nvfp4GlobalScale(s.gate_up.data(), 2 * I_ * H_);
+        dn_global = common::Nvfp4GlobalScale(s.down.data(), H_ * I_);
+      }
+      QuantizeRows(s.gate_up.data(), 2 * I_, H_, gu_global, s.gu_codes, s.gu_scales);
+      QuantizeRows(s.down.data(), H_, I_, dn_global, s.down_codes, s.down_scales);
     }
-    QuantizeRows(s.gate_up.data(), 2 * I_, H_, gu_global, s.gu_codes, s.gu_scales);
-    QuantizeRows(s.down.data(), H_, I_, dn_global, s.down_codes, s.down_scales);
     // A one-expert row-major bank, packed into panels (the layout cpu_moe reads fastest).
     cpu_moe::ExpertBank one;
     one.format = f_;
@@ -491,12 +609,14 @@ class ExpertConverter {
     one.gate_up_scales = s.gu_scales.empty() ? nullptr : s.gu_scales.data();
     one.down_scales = s.down_scales.empty() ? nullptr : s.down_scales.data();
     one.gate_up_global_scales = &gu_global;
+    one.up_global_scales = &up_global;
     one.down_global_scales = &dn_global;
     ASSIGN_OR_RETURN(std::unique_ptr<cpu_moe::PanelBank> panels, cpu_moe::PackPanels(one));
     RETURN_IF_ERROR(Write(job, banks_.gate_up, panels->gate_up.data(), panels->gate_up.bytes()));
     RETURN_IF_ERROR(Write(job, banks_.down, panels->down.data(), panels->down.bytes()));
     if (f_ == WeightFormat::kNvfp4) {
       RETURN_IF_ERROR(Write(job, banks_.gate_up_global, &gu_global, sizeof(float)));
+      RETURN_IF_ERROR(Write(job, banks_.up_global, &up_global, sizeof(float)));
       RETURN_IF_ERROR(Write(job, banks_.down_global, &dn_global, sizeof(float)));
     }
     return absl::OkStatus();
@@ -570,7 +690,61 @@ class Progress {
 };
 
 uint64_t SourceBytes(const MatrixSource& s) {
-  return static_cast<uint64_t>(s.rows) * s.cols * StDtypeSize(s.dtype);
+  const uint64_t n = static_cast<uint64_t>(s.rows) * s.cols;
+  return s.is_nvfp4() ? n / 2 + n / common::kNvfp4Block : n * StDtypeSize(s.dtype);
+}
+
+// ModelOpt's quantization config: hf_quant_config.json ({"quantization": {"quant_algo",
+// "group_size", "exclude_modules"}}) or config.json's "quantization_config" with quant_method
+// "modelopt" ({"quant_algo", "group_size", "ignore"}). True for NVFP4 (group size 16, the only
+// one the format defines); false for a checkpoint without a ModelOpt config. Other ModelOpt
+// algorithms are InvalidArgument. Which modules are quantized is read from the tensors
+// themselves (a quantized one is U8 with its scales), so the exclude lists are not needed.
+absl::StatusOr<bool> ReadQuantization(const std::string& dir) {
+  using Json = nlohmann::json;
+  auto read = [](const std::string& path, Json* out) -> absl::StatusOr<bool> {
+    std::ifstream in(path);
+    if (!in) return false;
+    *out = Json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (out->is_discarded()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": not valid JSON"));
+    }
+    return true;
+  };
+  Json q;
+  std::string where;
+  Json hq;
+  ASSIGN_OR_RETURN(const bool has_hq, read(dir + "/hf_quant_config.json", &hq));
+  if (has_hq && hq.is_object() && hq.contains("quantization") && hq["quantization"].is_object()) {
+    q = hq["quantization"];
+    where = dir + "/hf_quant_config.json";
+  } else {
+    Json cfg;
+    ASSIGN_OR_RETURN(const bool has_cfg, read(dir + "/config.json", &cfg));
+    if (!has_cfg || !cfg.is_object() || !cfg.contains("quantization_config")) return false;
+    const Json& qc = cfg["quantization_config"];
+    if (!qc.is_object() || !qc.contains("quant_method") || !qc["quant_method"].is_string() ||
+        qc["quant_method"].get<std::string>().rfind("modelopt", 0) != 0) {
+      return false;  // another method (FP8 blocks are recognised by their tensors)
+    }
+    q = qc;
+    where = dir + "/config.json quantization_config";
+  }
+  if (!q.contains("quant_algo") || !q["quant_algo"].is_string()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": no quant_algo string"));
+  }
+  std::string algo = q["quant_algo"].get<std::string>();
+  for (char& ch : algo) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  if (algo != "NVFP4") {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": quant_algo \"", algo,
+                                                   "\" is not supported (NVFP4 is)"));
+  }
+  if (q.contains("group_size") &&
+      (!q["group_size"].is_number_integer() || q["group_size"].get<int64_t>() != 16)) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": NVFP4 group_size ",
+                                                   q["group_size"].dump(), ", expected 16"));
+  }
+  return true;
 }
 
 }  // namespace
@@ -590,7 +764,8 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
   ASSIGN_OR_RETURN(w->config, ModelConfig::FromFile(dir + "/config.json"));
   const ModelConfig& c = w->config;
   ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::Open(dir));
-  TensorFinder find(*ckpt);
+  ASSIGN_OR_RETURN(const bool nvfp4, ReadQuantization(dir));
+  TensorFinder find(*ckpt, nvfp4);
   const DType dd = options.dense_dtype;
   const int64_t H = c.hidden_size, V = c.vocab_size, hd = c.head_dim;
   const int64_t q_out = static_cast<int64_t>(c.num_attention_heads) * hd;
@@ -781,6 +956,22 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
     });
   }
   for (const absl::Status& st : status) RETURN_IF_ERROR(st);
+  if (nvfp4) {
+    int dense_nvfp4 = 0, experts_nvfp4 = 0;
+    for (const DenseJob& j : dense) dense_nvfp4 += j.src.is_nvfp4() ? 1 : 0;
+    for (const ExpertJob& j : experts) experts_nvfp4 += j.gate.is_nvfp4() ? 1 : 0;
+    std::fprintf(stderr,
+                 "%s: NVFP4 checkpoint: %d dense NVFP4 tensors dequantized to %s; %d of %zu "
+                 "routed experts NVFP4, %s\n",
+                 dir.c_str(), dense_nvfp4, dd == DType::kF32 ? "f32" : "bf16", experts_nvfp4,
+                 experts.size(),
+                 ef == WeightFormat::kNvfp4
+                     ? "kept as they are (codes and scales copied into the expert store)"
+                     : absl::StrCat("dequantized and converted to ",
+                                    std::string(common::WeightFormatName(ef)),
+                                    " as the expert format asks (nvfp4 keeps them unchanged)")
+                           .c_str());
+  }
   for (LayerWeights& L : w->layers) {
     // The conv weights tap-major ([kernel, channels]), so that a tap runs over contiguous
     // channels.

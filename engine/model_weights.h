@@ -77,7 +77,8 @@ struct ModelWeights {
   // Every routed expert of every MoE layer; store layer index = LayerWeights::moe_index.
   // Banks: bf16 "gate_up", "down"; fp8_block adds "gate_up_scales", "down_scales"; q4_0, mxfp4
   // and nvfp4 hold panels (cpu_moe::Layout::kPanels, scales inside) in "gate_up", "down", and
-  // nvfp4 adds "gate_up_global_scale", "down_global_scale" (one float per expert).
+  // nvfp4 adds "gate_up_global_scale" (the gate rows'), "up_global_scale" (the up rows') and
+  // "down_global_scale" (one float per expert each).
   std::unique_ptr<moe_cache::ExpertStore> experts;
   // fp8_block only, and only for shapes whose per-expert scale rows are not whole 16-byte rows
   // (the store pads them; real Qwen shapes never need this): per MoE layer, the experts' block

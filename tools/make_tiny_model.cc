@@ -2,13 +2,21 @@
 // and trying the engine without a real checkpoint:
 //
 //   make_tiny_model --family qwen3_moe|qwen2_moe|qwen3_5_moe --out DIR [--seed N] [--layers N
-//       --hidden N --experts N --top_k N --moe_intermediate N ...] [--dtype bf16|f32|f16|fp8]
+//       --hidden N --experts N --top_k N --moe_intermediate N ...]
+//       [--dtype bf16|f32|f16|fp8|nvfp4]
 //       [--fused_experts] [--shards N] [--transformers 4|5]
 //
 // DIR gets config.json (fields transformers reads for the family, in the spelling of the chosen
 // transformers major version) and model.safetensors, or N shards and model.safetensors.index.json.
 // --dtype fp8 writes every projection matrix as F8_E4M3 with 128x128-block weight_scale_inv
 // (as Qwen's FP8 releases do); embeddings, norms, router and biases stay bf16.
+// --dtype nvfp4 writes NVIDIA ModelOpt's NVFP4 layout: every projection matrix except lm_head as
+// U8 [out, in / 2] packed e2m1 codes (element 2i in the low nibble), `weight_scale` F8_E4M3
+// [out, in / 16], `weight_scale_2` F32 scalar (the per-tensor scale, amax / (6 * 448)) and
+// `input_scale` F32 scalar (1, unused for weight-only use); experts per expert; an
+// hf_quant_config.json and config.json's quantization_config say quant_algo NVFP4, group_size
+// 16. up_proj weights are drawn 1.5x wider than gate_proj's so that their per-tensor scales
+// differ on purpose (engines that keep one scale for both must not pass unnoticed).
 // Weights are N(0, 1/fan_in) from a seeded generator of our own (the same bytes on every
 // platform), norms 1 + U(-0.1, 0.1).
 //
@@ -62,7 +70,7 @@ ABSL_FLAG(int, decoder_sparse_step, 1, "decoder_sparse_step");
 ABSL_FLAG(std::string, mlp_only_layers, "", "comma-separated dense layer indices");
 ABSL_FLAG(bool, tie_embeddings, false, "tie_word_embeddings (no lm_head tensor)");
 ABSL_FLAG(bool, norm_topk_prob, true, "norm_topk_prob");
-ABSL_FLAG(std::string, dtype, "bf16", "bf16, f32, f16 or fp8 (see the file comment)");
+ABSL_FLAG(std::string, dtype, "bf16", "bf16, f32, f16, fp8 or nvfp4 (see the file comment)");
 ABSL_FLAG(bool, fused_experts, false, "write experts as fused gate_up_proj / down_proj");
 ABSL_FLAG(int, shards, 1, "number of safetensors files (>1 writes an index)");
 ABSL_FLAG(int, transformers, 4, "config spelling: 4 (rope_scaling, torch_dtype) or 5");
@@ -118,8 +126,16 @@ class Builder {
   // A projection matrix [rows, cols] in the chosen dtype (fp8 adds its _scale_inv).
   void Matrix(const std::string& name, int64_t rows, int64_t cols) {
     std::vector<float> x(rows * cols);
-    const double std = 1.0 / std::sqrt(static_cast<double>(cols));
+    double std = 1.0 / std::sqrt(static_cast<double>(cols));
+    const bool nvfp4 = dtype_ == "nvfp4" && name != "lm_head.weight";
+    if (nvfp4 && name.size() > 16 && name.compare(name.size() - 16, 16, "up_proj.weight") == 0) {
+      std *= 1.5;
+    }
     for (float& v : x) v = static_cast<float>(rng_.Normal() * std);
+    if (nvfp4) {
+      AddNvfp4(name, rows, cols, x);
+      return;
+    }
     AddFloats(name, {rows, cols}, x, /*allow_fp8=*/true);
   }
   // A fused [E, rows, cols] expert tensor.
@@ -174,6 +190,28 @@ class Builder {
   std::vector<Named>& tensors() { return tensors_; }
 
  private:
+  // NVIDIA's NVFP4 layout of `name` (see the file comment).
+  void AddNvfp4(const std::string& name, int64_t rows, int64_t cols, const std::vector<float>& x) {
+    const std::string base = name.substr(0, name.size() - std::string("weight").size());
+    const float global = common::Nvfp4GlobalScale(x.data(), rows * cols);
+    Named w{name, StDtype::kU8, {rows, cols / 2}, std::vector<uint8_t>(rows * cols / 2)};
+    Named sc{name + "_scale", StDtype::kF8E4M3, {rows, cols / common::kNvfp4Block},
+             std::vector<uint8_t>(rows * cols / common::kNvfp4Block)};
+    for (int64_t r = 0; r < rows; ++r) {
+      common::QuantizeRowNvfp4(x.data() + r * cols, cols, global, w.bytes.data() + r * cols / 2,
+                               sc.bytes.data() + r * cols / common::kNvfp4Block);
+    }
+    auto scalar = [](const std::string& n, float v) {
+      Named t{n, StDtype::kF32, {}, std::vector<uint8_t>(4)};
+      std::memcpy(t.bytes.data(), &v, 4);
+      return t;
+    };
+    tensors_.push_back(std::move(w));
+    tensors_.push_back(std::move(sc));
+    tensors_.push_back(scalar(name + "_scale_2", global));
+    tensors_.push_back(scalar(base + "input_scale", 1.0f));
+  }
+
   void AddFloats(const std::string& name, std::vector<int64_t> shape, const std::vector<float>& x,
                  bool allow_fp8) {
     Named t{name, StDtype::kBf16, shape, {}};
@@ -215,6 +253,14 @@ class Builder {
   std::string dtype_;
   std::vector<Named> tensors_;
 };
+
+// config.json's quantization_config of an NVFP4 checkpoint (ModelOpt's spelling).
+Json Nvfp4QuantizationConfig() {
+  return {{"quant_method", "modelopt"},
+          {"quant_algo", "NVFP4"},
+          {"group_size", 16},
+          {"ignore", {"lm_head", "*.mlp.gate", "*.shared_expert_gate", "*conv1d*"}}};
+}
 
 absl::Status WriteText(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
@@ -339,6 +385,7 @@ absl::Status BuildQwen35(const std::string& dtype, Builder& b, Json& cfg) {
                                    {"activation_scheme", "dynamic"},
                                    {"weight_block_size", {128, 128}}};
   }
+  if (dtype == "nvfp4") text["quantization_config"] = Nvfp4QuantizationConfig();
   std::string root = "model.";
   if (text_only) {
     cfg = text;
@@ -359,7 +406,9 @@ absl::Status BuildQwen35(const std::string& dtype, Builder& b, Json& cfg) {
     cfg["image_token_id"] = V - 4;
     cfg["video_token_id"] = V - 3;
     cfg["transformers_version"] = "5.0.0";
-    if (dtype == "fp8") cfg["quantization_config"] = text["quantization_config"];
+    if (dtype == "fp8" || dtype == "nvfp4") {
+      cfg["quantization_config"] = text["quantization_config"];
+    }
   }
 
   b.Embedding(root + "embed_tokens.weight", V, H);
@@ -389,7 +438,7 @@ absl::Status BuildQwen35(const std::string& dtype, Builder& b, Json& cfg) {
     b.ZeroCenteredNorm(p + "post_attention_layernorm.weight", H);
     const std::string m = p + "mlp.";
     b.Router(m + "gate.weight", E, H);
-    if (dtype == "fp8") {
+    if (dtype == "fp8" || dtype == "nvfp4") {
       for (int e = 0; e < E; ++e) {
         const std::string x = absl::StrCat(m, "experts.", e, ".");
         b.Matrix(x + "gate_proj.weight", I, H);
@@ -424,8 +473,21 @@ absl::Status Run() {
     return absl::InvalidArgumentError("--family must be qwen3_moe, qwen2_moe or qwen3_5_moe");
   }
   if (out.empty()) return absl::InvalidArgumentError("--out is required");
-  if (dtype != "bf16" && dtype != "f32" && dtype != "f16" && dtype != "fp8") {
-    return absl::InvalidArgumentError("--dtype must be bf16, f32, f16 or fp8");
+  if (dtype != "bf16" && dtype != "f32" && dtype != "f16" && dtype != "fp8" &&
+      dtype != "nvfp4") {
+    return absl::InvalidArgumentError("--dtype must be bf16, f32, f16, fp8 or nvfp4");
+  }
+  if (dtype == "nvfp4") {
+    // ModelOpt writes both: hf_quant_config.json (older readers) and quantization_config.
+    const Json exclude = Nvfp4QuantizationConfig()["ignore"];
+    const Json hq = {{"producer", {{"name", "modelopt"}, {"version", "0.37.0"}}},
+                     {"quantization",
+                      {{"quant_algo", "NVFP4"},
+                       {"kv_cache_quant_algo", nullptr},
+                       {"group_size", 16},
+                       {"exclude_modules", exclude}}}};
+    ::mkdir(out.c_str(), 0755);
+    RETURN_IF_ERROR(WriteText(out + "/hf_quant_config.json", hq.dump(2) + "\n"));
   }
   if (family == "qwen3_5_moe") {
     Builder b(absl::GetFlag(FLAGS_seed), dtype);
@@ -519,6 +581,7 @@ absl::Status Run() {
                                   {"activation_scheme", "dynamic"},
                                   {"weight_block_size", {128, 128}}};
   }
+  if (dtype == "nvfp4") cfg["quantization_config"] = Nvfp4QuantizationConfig();
 
   Builder b(absl::GetFlag(FLAGS_seed), dtype);
   b.Embedding("model.embed_tokens.weight", V, H);
@@ -546,7 +609,7 @@ absl::Status Run() {
       continue;
     }
     b.Router(m + "gate.weight", E, H);
-    if (absl::GetFlag(FLAGS_fused_experts)) {
+    if (absl::GetFlag(FLAGS_fused_experts) && dtype != "nvfp4") {
       b.Fused(m + "experts.gate_up_proj", E, 2 * I, H);
       b.Fused(m + "experts.down_proj", E, H, I);
     } else {

@@ -236,8 +236,12 @@ void ForwardFormat(ForwardPlan& plan) {
   const bool f16 = kBf16Dot && F == common::WeightFormat::kFp8Block && plan.fp8_fp16;
 
   const size_t global_stride = static_cast<size_t>(bank.global_scale_stride);
-  const MatrixRef gate_up{bank.gate_up_weights, bank.gate_up_scales, bank.gate_up_global_scales,
-                          2 * I, H, prefetch, tun.block_lane, global_stride};
+  MatrixRef gate_up{bank.gate_up_weights, bank.gate_up_scales, bank.gate_up_global_scales,
+                    2 * I, H, prefetch, tun.block_lane, global_stride};
+  if (bank.up_global_scales != nullptr) {
+    gate_up.globals_hi = bank.up_global_scales;
+    gate_up.globals_hi_row = I;
+  }
   const MatrixRef down{bank.down_weights, bank.down_scales, bank.down_global_scales, H, I,
                        prefetch, tun.block_lane, global_stride};
   // fp8's fp16 kernels for experts with few routes (ForwardPlan::few_routes_max): the same
@@ -454,8 +458,9 @@ void ForwardFormat(ForwardPlan& plan) {
       if constexpr (IsQuant<F>()) {
         if (panels) {
           // A gate panel with its up panel: 16 rows of each per PanelDot.
-          float post[64];
+          float post[64], post_up[64];
           std::fill(post, post + nc, PanelPost<F>(gate_up, g.expert));
+          std::fill(post_up, post_up + nc, PanelPost<F>(gate_up, g.expert, I));
           float* o[256];
           for (size_t r = r0; r < r0 + panel_half; r += 16) {
             const size_t pn[4] = {r / 16, (I + r) / 16, (r + panel_half) / 16,
@@ -466,7 +471,7 @@ void ForwardFormat(ForwardPlan& plan) {
               o[2 * nc + i] = hrow[i] + r + panel_half;
               o[3 * nc + i] = urow[i] + r + panel_half;
             }
-            PanelDotMany<F, 4>(gate_up, g.expert, pn, acts, post, nc, o);
+            PanelDotMany<F, 4>(gate_up, g.expert, pn, acts, post, nc, o, post_up);
           }
           for (size_t r = r0 + 2 * panel_half; r < r1; r += 16) {
             const size_t pn[2] = {r / 16, (I + r) / 16};
@@ -474,7 +479,7 @@ void ForwardFormat(ForwardPlan& plan) {
               o[i] = hrow[i] + r;
               o[nc + i] = urow[i] + r;
             }
-            PanelDotMany<F, 2>(gate_up, g.expert, pn, acts, post, nc, o);
+            PanelDotMany<F, 2>(gate_up, g.expert, pn, acts, post, nc, o, post_up);
           }
         }
       }

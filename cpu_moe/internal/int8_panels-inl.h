@@ -71,9 +71,11 @@ HWY_INLINE hn::Vec<DF> PanelScales(DF df, const uint8_t* HWY_RESTRICT p) {
 // for byte offset s). Panels go two at a time within each block (NP = 4: the four streams of
 // Tuning::row_streams, whose 32 decoded vectors would not fit in the registers with the sums);
 // each panel's sums are the same chain of operations whatever NP is.
+// scale_hi (optional): the scales of panels whose rows lie at or past m.globals_hi_row (nvfp4's
+// up rows with their own global scale), in place of scale.
 template <common::WeightFormat F, int NP, int NT>
 HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, const ActView* acts,
-                         const float* scale, float* const* out) {
+                         const float* scale, float* const* out, const float* scale_hi = nullptr) {
   const hn::CappedTag<uint8_t, 64> d8;
   const hn::Repartition<int8_t, decltype(d8)> di8;
   const hn::Repartition<int32_t, decltype(d8)> di32;
@@ -183,8 +185,10 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
         }
       }
     for (int p = 0; p < NP; ++p) {
+      const float* sc =
+          scale_hi != nullptr && 16 * panels[p] >= m.globals_hi_row ? scale_hi : scale;
       for (int t = 0; t < NT; ++t) {
-        hn::StoreU(hn::Mul(acc[p][t], hn::Set(df, scale[t])), df, out[p * NT + t] + s / 4);
+        hn::StoreU(hn::Mul(acc[p][t], hn::Set(df, sc[t])), df, out[p * NT + t] + s / 4);
       }
     }
   }
@@ -194,34 +198,36 @@ HWY_INLINE void PanelDot(const MatrixRef& m, size_t e, const size_t* panels, con
 // streams of experts with few routes, Tuning::row_streams).
 template <common::WeightFormat F, int NP>
 HWY_INLINE void PanelDotMany(const MatrixRef& m, size_t e, const size_t* panels,
-                             const ActView* acts, const float* scale, int n, float* const* out) {
+                             const ActView* acts, const float* scale, int n, float* const* out,
+                             const float* scale_hi = nullptr) {
   constexpr int kT = 8 / NP;
   float* o[NP * kT];
+  auto hi = [scale_hi](int t) { return scale_hi != nullptr ? scale_hi + t : nullptr; };
   for (int t = 0; t < n; t += kT) {
     const int nt = std::min(kT, n - t);
     for (int p = 0; p < NP; ++p) {
       for (int i = 0; i < nt; ++i) o[p * nt + i] = out[p * n + t + i];
     }
     switch (nt) {
-      case 8: if constexpr (kT >= 8) PanelDot<F, NP, 8>(m, e, panels, acts + t, scale + t, o); break;
-      case 7: if constexpr (kT >= 8) PanelDot<F, NP, 7>(m, e, panels, acts + t, scale + t, o); break;
-      case 6: if constexpr (kT >= 8) PanelDot<F, NP, 6>(m, e, panels, acts + t, scale + t, o); break;
-      case 5: if constexpr (kT >= 8) PanelDot<F, NP, 5>(m, e, panels, acts + t, scale + t, o); break;
-      case 4: if constexpr (kT >= 4) PanelDot<F, NP, 4>(m, e, panels, acts + t, scale + t, o); break;
-      case 3: if constexpr (kT >= 4) PanelDot<F, NP, 3>(m, e, panels, acts + t, scale + t, o); break;
-      case 2: PanelDot<F, NP, 2>(m, e, panels, acts + t, scale + t, o); break;
-      default: PanelDot<F, NP, 1>(m, e, panels, acts + t, scale + t, o); break;
+      case 8: if constexpr (kT >= 8) PanelDot<F, NP, 8>(m, e, panels, acts + t, scale + t, o, hi(t)); break;
+      case 7: if constexpr (kT >= 8) PanelDot<F, NP, 7>(m, e, panels, acts + t, scale + t, o, hi(t)); break;
+      case 6: if constexpr (kT >= 8) PanelDot<F, NP, 6>(m, e, panels, acts + t, scale + t, o, hi(t)); break;
+      case 5: if constexpr (kT >= 8) PanelDot<F, NP, 5>(m, e, panels, acts + t, scale + t, o, hi(t)); break;
+      case 4: if constexpr (kT >= 4) PanelDot<F, NP, 4>(m, e, panels, acts + t, scale + t, o, hi(t)); break;
+      case 3: if constexpr (kT >= 4) PanelDot<F, NP, 3>(m, e, panels, acts + t, scale + t, o, hi(t)); break;
+      case 2: PanelDot<F, NP, 2>(m, e, panels, acts + t, scale + t, o, hi(t)); break;
+      default: PanelDot<F, NP, 1>(m, e, panels, acts + t, scale + t, o, hi(t)); break;
     }
   }
 }
 
 // The factor of a panel bank's sums before the route's own weight: the fp4 table's 1/2 and
-// nvfp4's global scale (as QuantRow::post).
+// nvfp4's global scale of the rows from `row` on (as QuantRow::post).
 template <common::WeightFormat F>
-HWY_INLINE float PanelPost(const MatrixRef& m, size_t e) {
+HWY_INLINE float PanelPost(const MatrixRef& m, size_t e, size_t row = 0) {
   if constexpr (F == common::WeightFormat::kQ4_0) return 1.0f;
   if constexpr (F == common::WeightFormat::kMxfp4) return 0.5f;
-  return 0.5f * m.globals[e * m.global_stride];
+  return 0.5f * m.GlobalsOf(row)[e * m.global_stride];
 }
 
 // Prefetches the first m.prefetch.l1 bytes of panel `panel` of expert e (codes and scales).

@@ -165,7 +165,7 @@ HWY_INLINE void MakeQuantRow(const MatrixRef& m, size_t e, size_t r, QuantRow& q
     q.packed = static_cast<const uint8_t*>(m.weights) + row * (k / 2);
     q.blocks = nullptr;
     q.scales = static_cast<const uint8_t*>(m.scales) + row * (k / 16);
-    q.post = 0.5f * m.globals[e * m.global_stride];
+    q.post = 0.5f * m.GlobalsOf(r)[e * m.global_stride];
   }
 }
 

@@ -133,6 +133,12 @@ struct MatrixRef {
   PfDist prefetch;  // how far ahead the row kernels prefetch; see above
   bool block_lane;  // quantized rows start in the block-lane layout (BlockLaneBytes)
   size_t global_stride;  // floats between experts' global scales (ExpertBank::global_scale_stride)
+  // nvfp4: rows >= globals_hi_row take their global scale from globals_hi (gate_up's up rows
+  // with ExpertBank::up_global_scales); rows below from globals.
+  const float* globals_hi = nullptr;
+  size_t globals_hi_row = ~size_t{0};
+
+  const float* GlobalsOf(size_t row) const { return row < globals_hi_row ? globals : globals_hi; }
 };
 
 }  // namespace HWY_NAMESPACE

@@ -132,6 +132,7 @@ common::ExpertLayerView ExpertStore::LayerView(int layer, common::WeightFormat f
   v.down_scales = array("down_scales");
   v.gate_up_global_scale = array("gate_up_global_scale");
   v.down_global_scale = array("down_global_scale");
+  v.up_global_scale = array("up_global_scale");
   return v;
 }
 

@@ -70,8 +70,8 @@ class ExpertStore final : public ExpertWriter {
   // Index of the bank named `name` in the layout, or -1.
   int FindBank(std::string_view name) const;
   // Layer `layer`'s experts as the view a compute component reads in place, from the banks named
-  // "gate_up", "down", "gate_up_scales", "down_scales", "gate_up_global_scale" and
-  // "down_global_scale" (absent ones stay null). The format, layout and shape are the writer's,
+  // "gate_up", "down", "gate_up_scales", "down_scales", "gate_up_global_scale",
+  // "up_global_scale" and "down_global_scale" (absent ones stay null). The format, layout and shape are the writer's,
   // which the store does not interpret. The view lives as long as the store.
   common::ExpertLayerView LayerView(int layer, common::WeightFormat format,
                                     common::ExpertLayout expert_layout, int hidden,
