@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
@@ -33,24 +35,35 @@ void EnsureExpertsCpu(CacheStateView* st, int32_t layer, const int32_t* ids, int
     }
     used_scratch[id] = 1;
   }
-  // (1b) how many of the distinct misses are fetched.
-  int32_t distinct_misses = 0;
-  for (int32_t e = 0; e < E; ++e) {
-    if (used_scratch[e] && st->slot_of[base + e] < 0) ++distinct_misses;
+  // (1b) the split: which distinct misses go to the CPU. used_scratch: 1 routed, 2 sent to
+  // the CPU, 3 found unplaceable, 4 to be sent to the CPU when first met in (2).
+  if (fetch_of_misses != nullptr) {
+    std::vector<std::pair<int32_t, int32_t>> misses;  // (expert, first index), by first index
+    for (int32_t i = 0; i < num_ids; ++i) {
+      const int32_t id = ids[i];
+      if (!IsRoutedId(id, E) || st->slot_of[base + id] >= 0 || used_scratch[id] != 1) continue;
+      used_scratch[id] = 5;  // listed (reset below)
+      misses.emplace_back(id, i);
+    }
+    const int32_t fetch = FetchCount(fetch_of_misses, static_cast<int32_t>(misses.size()));
+    for (const auto& [a, first_a] : misses) {
+      int32_t rank = 0;
+      for (const auto& [b, first_b] : misses) {
+        rank += FetchBefore(st->freq[base + b], first_b, st->freq[base + a], first_a);
+      }
+      used_scratch[a] = rank < fetch ? 1 : 4;
+    }
   }
-  const int32_t fetch = FetchCount(fetch_of_misses, distinct_misses);
-  // (2) one victim per distinct miss, in order of first occurrence; those past `fetch` go to
-  // the CPU. used_scratch: 1 routed, 2 sent to the CPU, 3 found unplaceable.
+  // (2) one victim per distinct miss to fetch, in order of first occurrence.
   int32_t n = 0;
-  int32_t handled = 0;
   for (int32_t i = 0; i < num_ids; ++i) {
     const int32_t id = ids[i];
     if (!IsRoutedId(id, E)) continue;
     const int32_t g = base + id;
     if (st->slot_of[g] >= 0) continue;
-    if (used_scratch[id] >= 2) continue;  // already sent to the CPU or found unplaceable
+    if (used_scratch[id] == 2 || used_scratch[id] == 3) continue;  // handled already
     ++counts->misses;
-    if (handled++ >= fetch) {
+    if (used_scratch[id] == 4) {
       ++counts->cpu;
       used_scratch[id] = 2;
       continue;

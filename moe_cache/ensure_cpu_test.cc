@@ -42,9 +42,9 @@ TEST(EnsureCpuTest, FillsFreeSlotsInOrderThenHits) {
   EXPECT_EQ(c.call_counter(), 3u);
 }
 
-// The hybrid split: of a call's distinct misses, in order of first occurrence, the first
-// fetch_of_misses[n] take slots and the rest are computed on the CPU, taking none.
-TEST(EnsureCpuTest, HybridSplitSendsTheLastMissesToTheCpuWithoutASlot) {
+// The hybrid split: of a call's n distinct misses, fetch_of_misses[n] take slots (the most
+// frequent first, ties by first occurrence) and the rest are computed on the CPU, taking none.
+TEST(EnsureCpuTest, HybridSplitFetchesTheHotMissesAndSendsTheRestToTheCpu) {
   CacheConfig config;
   config.num_layers = 1;
   config.num_experts = 8;
@@ -61,13 +61,17 @@ TEST(EnsureCpuTest, HybridSplitSendsTheLastMissesToTheCpuWithoutASlot) {
   EXPECT_EQ(r.counts.cpu, 1);
   EXPECT_EQ(c->SlotOf(6), -1);  // no slot for the CPU's expert
   EXPECT_EQ(c->expert_of_slot()[2], -1);
-  // Next call: 3 hits; 7 and 6 miss (2 distinct, 7 first): fetch 7, compute 6 on the CPU.
+  // Next call: 3 hits; 7 and 6 miss (7 routed first). 6 was routed in the last call, 7 never:
+  // 6 is fetched, 7 computed on the CPU.
   r = Ensure(*c, 0, {7, 3, 6, 3}, 2);
   EXPECT_EQ(r.counts.hits, 1);
   EXPECT_EQ(r.counts.cpu, 1);
-  EXPECT_EQ(r.slots, (std::vector<int32_t>{2, 0, kCpuSlot, 0}));
-  EXPECT_EQ(c->SlotOf(6), -1);
-  EXPECT_EQ(c->SlotOf(7), 2);
+  EXPECT_EQ(r.slots, (std::vector<int32_t>{kCpuSlot, 0, 2, 0}));
+  EXPECT_EQ(c->SlotOf(6), 2);
+  EXPECT_EQ(c->SlotOf(7), -1);
+  // Equal frequencies: the first routed is fetched. 1 and 2 never seen, 1 first.
+  r = Ensure(*c, 0, {1, 2}, 1);
+  EXPECT_EQ(r.slots, (std::vector<int32_t>{3, kCpuSlot}));
 }
 
 TEST(EnsureCpuTest, HybridSplitTableMustCoverEveryMissCount) {

@@ -17,13 +17,14 @@
 //   (1) for i in 0..T*k-1 (row-major): id = ids[i]; if !IsRoutedId(id, E): out[i] = -1, skip.
 //       g = layer*E + id; mark expert `id` used in this call (for step 3);
 //       if slot_of[g] >= 0: OnHit(state, slot_of[g], counter) (counts as a hit once per distinct g).
-//   (1b) n = the number of distinct experts marked in (1) that are not resident (slot_of < 0);
-//       m = FetchCount(fetch_of_misses, n): how many of them are fetched (all without a split).
+//   (1b) the n distinct experts marked in (1) that are not resident (slot_of < 0) are the
+//       call's misses; m = FetchCount(fetch_of_misses, n) of them are fetched (all without a
+//       split): those first in FetchBefore's order (the most frequent, then the first routed);
+//       the other n - m go to the CPU for this call (no slot, no state change).
 //   (2) for i in 0..T*k-1 (row-major): skip padding; g = layer*E + ids[i];
 //       if slot_of[g] >= 0 continue (a hit, or a miss already placed earlier in this call);
 //       if expert ids[i] was already handled as a miss in this call (sent to the CPU or found
-//       unplaceable) continue; j = the number of distinct misses handled before it;
-//       if j >= m: the expert goes to the CPU for this call (no slot, no state change); else
+//       unplaceable) continue; if it goes to the CPU, mark it handled and continue; else
 //       victim = argmin over slots s with SlotEligible(state, s, counter) of
 //                (SlotScore(state, s, layer, counter), s)        [ArgminBetter orders the pairs]
 //       if no eligible slot: leave g unplaced (its outputs stay -1); else
@@ -118,15 +119,24 @@ MOE_HD inline PolicyParams DefaultPolicyParams(int32_t policy) {
 // padding.
 constexpr int32_t kCpuSlot = -2;
 
-// The hybrid split rule of step (1b): of a call's n distinct misses, in order of first
-// occurrence, the first FetchCount(fetch_of_misses, n) are fetched into slots and the rest are
-// computed on the CPU. `fetch_of_misses` [E + 1] is a table the host builds from the bandwidth
-// profile (hybrid_split.h: FetchTable); null fetches every miss (offload only). Integers only,
-// so the kernel and the mirror agree; entries outside [0, n] are clamped.
+// The hybrid split rule of step (1b): of a call's n distinct misses, FetchCount(fetch_of_misses,
+// n) are fetched into slots and the rest are computed on the CPU. `fetch_of_misses` [E + 1] is a
+// table the host builds from the bandwidth profile (hybrid_split.h: FetchTable); null fetches
+// every miss (offload only). Integers only, so the kernel and the mirror agree; entries outside
+// [0, n] are clamped.
 MOE_HD inline int32_t FetchCount(const int32_t* fetch_of_misses, int32_t n) {
   if (fetch_of_misses == nullptr) return n;
   const int32_t m = fetch_of_misses[n];
   return m < 0 ? 0 : (m > n ? n : m);
+}
+
+// Which misses the split fetches: miss a (decayed frequency freq_a, first routed at index
+// first_a of the call's ids) goes before miss b when it is more frequent, or as frequent and
+// routed first. An expert computed on the CPU takes no slot and misses again at its next use, so
+// the slots go to the experts most likely to be used again and the CPU takes the rare ones.
+MOE_HD inline bool FetchBefore(uint32_t freq_a, int32_t first_a, uint32_t freq_b,
+                               int32_t first_b) {
+  return freq_a > freq_b || (freq_a == freq_b && first_a < first_b);
 }
 
 // Score of a free slot: lowest possible, so free slots are filled first (lowest index first).

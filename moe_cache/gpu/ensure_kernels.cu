@@ -59,15 +59,19 @@ __global__ void __launch_bounds__(kThreads)
     EnsureExpertsKernel(CacheStateView st, int32_t layer, const int32_t* ids, int32_t num_ids,
                         int32_t* slot_ids, int32_t* plan_count, MissPlanEntry* plan,
                         int32_t* error_flag, const int32_t* fetch_of_misses) {
-  // [E] experts of this layer in this call: 0 not routed, 1 routed, 2 sent to the CPU, 3 a miss
-  // found unplaceable.
-  extern __shared__ uint8_t used[];
+  // first[E]: the first index of each expert in ids (the split's tie-break); used[E]: 0 not
+  // routed, 1 routed, 2 sent to the CPU, 3 a miss found unplaceable, 4 to be sent to the CPU.
+  extern __shared__ int32_t first[];
+  uint8_t* used = reinterpret_cast<uint8_t*>(first + st.num_experts);
   __shared__ Candidate warp_best[kWarps];
   __shared__ int32_t misses;
   __shared__ int32_t distinct_misses;
   const int32_t E = st.num_experts;
   const uint32_t counter = *st.call_counter;
-  for (int32_t e = threadIdx.x; e < E; e += blockDim.x) used[e] = 0;
+  for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
+    used[e] = 0;
+    first[e] = num_ids;
+  }
   if (threadIdx.x == 0) {
     misses = 0;
     distinct_misses = 0;
@@ -83,12 +87,14 @@ __global__ void __launch_bounds__(kThreads)
       continue;
     }
     used[id] = 1;
+    if (fetch_of_misses != nullptr) atomicMin(&first[id], i);
     const int32_t s = st.slot_of[layer * E + id];
     if (s >= 0) OnHit(&st, s, counter);
   }
   __syncthreads();
 
-  // (1b) How many of the distinct misses are fetched (the hybrid split; all without one).
+  // (1b) The hybrid split: the misses ranked past FetchCount (FetchBefore's order) go to the
+  // CPU.
   if (fetch_of_misses != nullptr) {
     int32_t local = 0;
     for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
@@ -96,20 +102,29 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (local != 0) atomicAdd(&distinct_misses, local);
     __syncthreads();
+    const int32_t fetch = FetchCount(fetch_of_misses, distinct_misses);
+    for (int32_t a = threadIdx.x; a < E; a += blockDim.x) {
+      if (used[a] == 0 || st.slot_of[layer * E + a] >= 0) continue;
+      const uint32_t fa = st.freq[layer * E + a];
+      int32_t rank = 0;
+      for (int32_t b = 0; b < E; ++b) {
+        if (used[b] == 0 || st.slot_of[layer * E + b] >= 0) continue;
+        rank += FetchBefore(st.freq[layer * E + b], first[b], fa, first[a]);
+      }
+      if (rank >= fetch) used[a] = 4;  // other threads only test used[] against 0 here
+    }
+    __syncthreads();
   }
-  const int32_t fetch = fetch_of_misses != nullptr ? FetchCount(fetch_of_misses, distinct_misses)
-                                                   : num_ids;
 
-  // (2) Misses, in order of first occurrence: one block-wide argmin each; those past `fetch`
-  // go to the CPU. Every branch below is uniform across the block (reads after a barrier).
-  int32_t handled = 0;
+  // (2) Misses to fetch, in order of first occurrence: one block-wide argmin each. Every branch
+  // below is uniform across the block (reads after a barrier).
   for (int32_t i = 0; i < num_ids; ++i) {
     const int32_t id = ids[i];
     if (!IsRoutedId(id, E)) continue;
     const int32_t g = layer * E + id;
     if (st.slot_of[g] >= 0) continue;
-    if (used[id] >= 2) continue;  // already sent to the CPU or found unplaceable
-    if (handled++ >= fetch) {
+    if (used[id] == 2 || used[id] == 3) continue;  // already sent to the CPU or unplaceable
+    if (used[id] == 4) {
       __syncthreads();  // every thread has read used[id]
       if (threadIdx.x == 0) used[id] = 2;
       __syncthreads();
@@ -169,7 +184,8 @@ absl::Status LaunchEnsureExperts(const CacheStateView& state, int32_t layer, con
                                                    kMaxExpertsPerLayer));
   }
   if (num_ids < 0) return absl::InvalidArgumentError("ensure_experts: negative id count");
-  EnsureExpertsKernel<<<1, kThreads, state.num_experts, stream>>>(state, layer, ids, num_ids,
+  const size_t shared_bytes = static_cast<size_t>(state.num_experts) * 5;
+  EnsureExpertsKernel<<<1, kThreads, shared_bytes, stream>>>(state, layer, ids, num_ids,
                                                                   slot_ids, plan_count, plan,
                                                                   error_flag, fetch_of_misses);
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
