@@ -39,9 +39,29 @@
 // and a second floor: best-split, the offload run's misses of each layer and step split in whole
 // experts between the link and the CPU so that both finish together (per-expert times from the
 // profile's figures measured together), plus the same GPU-memory reads.
+//
+// --family qwen3_5_moe runs a model of Qwen3.6-35B-A3B's shape instead (40 layers: 30 Gated
+// DeltaNet and 10 gated full attention of 16 q / 2 KV heads of 256; 256 experts top-8 of
+// intermediate 512 and a gated shared expert; vocabulary 248320; --layers, --experts, --top_k and
+// --vocab do not apply). With it, on cuda:
+//   --synthetic_routing_from TRACE.npy: routing from moe_cache's synthetic generator at the
+//     model's own shape (40 layers x 256 experts, top-8), its popularity and reuse fitted to the
+//     trace's (routing_override.h's calibration, printed);
+//   --target_misses 8,28,60: expert budgets (replacing --expert_fractions) of the slots per layer
+//     whose misses per token, simulated with the engine's cache policy on that routing, come
+//     closest to each target; the run reports the misses it measured;
+//   --context_positions 16384,122880: each decode case starts at these positions of its
+//     sequences, the KV cache and DeltaNet states filled with synthetic values
+//     (GpuModel::FillSyntheticContext) instead of a prompt; the KV cache and state memory at the
+//     largest is printed;
+//   --warm_steps N: untimed decode steps after the cache is emptied, before the timed ones
+//     (steady state rather than a cold start).
+// Floors then count the DeltaNet states (read and written once per step and sequence) and the KV
+// of the full-attention layers only.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -51,6 +71,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/formats.h"
 #include "common/membw.h"
@@ -62,9 +83,13 @@
 #include "engine/cuda/link_probe.h"
 #include "engine/forward_model.h"
 #include "engine/kv_cache.h"
+#include "engine/linear_attention_state.h"
 #include "engine/model.h"
 #include "engine/random_model.h"
 #include "engine/routing_override.h"
+#include "moe_cache/simulator.h"
+#include "moe_cache/synthetic_trace.h"
+#include "moe_cache/trace.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(int, layers, 48, "decoder layers (48: the real depth)");
@@ -91,6 +116,17 @@ ABSL_FLAG(std::string, moe_modes, "offload",
           "bandwidth profile measured in the run), auto (timed after its start-up trials); "
           "offload always runs first (its misses give both floors)");
 ABSL_FLAG(bool, eager, true, "cuda: also time offload decode with eager launches");
+ABSL_FLAG(std::string, family, "qwen3_moe",
+          "qwen3_moe (Qwen3-30B-A3B's shape) or qwen3_5_moe (Qwen3.6-35B-A3B's)");
+ABSL_FLAG(std::string, synthetic_routing_from, "",
+          "cuda: route by the synthetic generator at the model's shape, fitted to this trace");
+ABSL_FLAG(std::string, target_misses, "",
+          "cuda: expert budgets giving about these misses per token (needs "
+          "--synthetic_routing_from or --routing_trace); replaces --expert_fractions");
+ABSL_FLAG(std::string, context_positions, "",
+          "cuda: decode from these positions over a synthetic KV cache and states instead of "
+          "a prompt of --context tokens");
+ABSL_FLAG(int, warm_steps, 0, "cuda: untimed decode steps before the timed ones");
 
 namespace moe::engine {
 namespace {
@@ -119,6 +155,52 @@ ModelConfig Qwen3_30B_A3B(int layers, int experts, int top_k, int vocab) {
   return c;
 }
 
+// Qwen3.6-35B-A3B's text model (its config.json's text_config).
+ModelConfig Qwen36_35B_A3B() {
+  ModelConfig c;
+  c.model_type = "qwen3_5_moe";
+  c.vocab_size = 248320;
+  c.hidden_size = 2048;
+  c.moe_intermediate_size = 512;
+  c.shared_expert_intermediate_size = 512;
+  c.num_hidden_layers = 40;
+  c.num_attention_heads = 16;
+  c.num_key_value_heads = 2;
+  c.head_dim = 256;
+  c.rms_norm_eps = 1e-6f;
+  c.rope_theta = 10000000.0;
+  c.max_position_embeddings = 262144;
+  c.num_experts = 256;
+  c.num_experts_per_tok = 8;
+  c.norm_topk_prob = true;
+  c.qk_norm = true;
+  c.attn_output_gate = true;
+  c.partial_rotary_factor = 0.25;
+  c.zero_centered_norms = true;
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    c.layer_types.push_back(l % 4 == 3 ? LayerKind::kFullAttention : LayerKind::kLinearAttention);
+  }
+  c.linear.num_key_heads = 16;
+  c.linear.num_value_heads = 32;
+  c.linear.key_head_dim = 128;
+  c.linear.value_head_dim = 128;
+  c.linear.conv_kernel = 4;
+  return c;
+}
+
+std::vector<int> ParseInts(const std::string& list, const char* flag) {
+  std::vector<int> v;
+  for (absl::string_view s : absl::StrSplit(list, ',', absl::SkipEmpty())) {
+    int x;
+    if (!absl::SimpleAtoi(s, &x) || x < 0) {
+      std::fprintf(stderr, "bad --%s entry '%s'\n", flag, std::string(s).c_str());
+      std::exit(2);
+    }
+    v.push_back(x);
+  }
+  return v;
+}
+
 uint64_t TensorBytes(const Tensor& t) {
   return static_cast<uint64_t>(t.numel()) * (t.dtype == DType::kF32 ? 4 : 2);
 }
@@ -130,7 +212,8 @@ uint64_t DenseBytes(const ModelWeights& w) {
     for (const Tensor* t :
          {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.router, &l.shared_gate_proj,
           &l.shared_up_proj, &l.shared_down_proj, &l.shared_expert_gate, &l.mlp_gate_proj,
-          &l.mlp_up_proj, &l.mlp_down_proj}) {
+          &l.mlp_up_proj, &l.mlp_down_proj, &l.in_proj_qkv, &l.in_proj_z, &l.in_proj_b,
+          &l.in_proj_a, &l.out_proj}) {
       b += TensorBytes(*t);
     }
   }
@@ -163,6 +246,53 @@ void Print(const Case& c) {
 // The CUDA backend's cases (see the file comment).
 int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<int>& batches,
             common::ThreadPool& pool, nlohmann::json& out) {
+  const std::vector<int> positions =
+      ParseInts(absl::GetFlag(FLAGS_context_positions), "context_positions");
+  const std::vector<int> targets = ParseInts(absl::GetFlag(FLAGS_target_misses), "target_misses");
+  const int warm = absl::GetFlag(FLAGS_warm_steps);
+  // Expert budgets: slots per layer from --target_misses (simulated on the routing) or from
+  // --expert_fractions.
+  std::vector<int> budgets;
+  if (!targets.empty()) {
+    if (routing == nullptr) {
+      std::fprintf(stderr, "--target_misses needs --synthetic_routing_from or --routing_trace\n");
+      return 2;
+    }
+    moe_cache::SimOptions so;
+    so.experts = cfg.num_experts;
+    const int M = cfg.NumMoeLayers();
+    for (int target : targets) {
+      // Misses per token fall as slots grow: bisect on slots per layer.
+      int lo = cfg.num_experts_per_tok, hi = cfg.num_experts;
+      double lo_m = 0, hi_m = 0;
+      auto misses = [&](int slots) {
+        auto r = moe_cache::Simulate(routing->trace(), moe_cache::SimPolicy::kScored, slots * M, so);
+        return r.ok() ? r->misses_per_token() : -1.0;
+      };
+      lo_m = misses(lo);
+      hi_m = misses(hi);
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        const double m = misses(mid);
+        if (m < 0) return 1;
+        if (m > target) {
+          lo = mid;
+          lo_m = m;
+        } else {
+          hi = mid;
+          hi_m = m;
+        }
+      }
+      const int slots = std::abs(lo_m - target) < std::abs(hi_m - target) ? lo : hi;
+      std::printf("target %d misses/token: %d slots per layer (%.1f misses/token simulated with "
+                  "the scored policy over %d tokens)\n",
+                  target, slots, slots == lo ? lo_m : hi_m, routing->trace().tokens);
+      budgets.push_back(slots);
+      out["budgets"].push_back({{"target_misses_per_token", target},
+                                {"slots_per_layer", slots},
+                                {"simulated_misses_per_token", slots == lo ? lo_m : hi_m}});
+    }
+  }
   auto bw = gpu::MeasureLinkBandwidth();
   if (!bw.ok()) {
     std::fprintf(stderr, "%s\n", bw.status().ToString().c_str());
@@ -180,6 +310,12 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
       return 2;
     }
     fractions.push_back(v);
+  }
+  if (budgets.empty()) {
+    for (double frac : fractions) {
+      budgets.push_back(std::max(cfg.num_experts_per_tok,
+                                 static_cast<int>(frac * cfg.num_experts + 0.5)));
+    }
   }
   const int P = absl::GetFlag(FLAGS_prefill_tokens), S = absl::GetFlag(FLAGS_decode_steps),
             C = absl::GetFlag(FLAGS_context);
@@ -216,6 +352,7 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
     auto dense = MakeRandomModel(dense_cfg, ro);
     ModelConfig expert_cfg = cfg;
     expert_cfg.num_hidden_layers = 1;
+    if (!expert_cfg.layer_types.empty()) expert_cfg.layer_types.resize(1);
     expert_cfg.vocab_size = 64;
     expert_cfg.num_experts = std::max(16, K);
     if (!dense.ok()) {
@@ -287,18 +424,21 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
       return best;
     };
     const uint64_t kv_token_bytes =
-        2ull * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2;  // bf16
+        2ull * cfg.NumKvLayers() * cfg.num_key_value_heads * cfg.head_dim * 2;  // bf16
+    // DeltaNet states: read and written once per decode step and sequence.
+    const uint64_t state_bytes = LinearAttentionState::BytesPerSequence(cfg);
+    const int max_position = positions.empty() ? 0 : *std::max_element(positions.begin(),
+                                                                        positions.end());
     auto tokens = [&](int n, int seed) {
       std::vector<int32_t> t(n);
       for (int i = 0; i < n; ++i) t[i] = (seed * 7919 + i * 104729) % V;
       return t;
     };
-    for (double frac : fractions) {
+    for (const int slots : budgets) {
      // Per batch size, the offload run's floors (seconds for its timed steps): offload-only and
      // best-split.
      std::map<int, std::pair<double, double>> floors;
      for (const std::string& mode : modes) {
-      const int slots = std::max(K, static_cast<int>(frac * E + 0.5));
       gpu::GpuModelOptions go;
       go.print_plan = mode == "offload";
       if (mode != "offload") {
@@ -309,7 +449,8 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
       }
       go.max_batch = max_batch;
       go.max_step_tokens = std::max(P, max_batch);
-      go.max_context = (std::max(P, C + 2 * S + 2) + 1 + bs - 1) / bs * bs;
+      go.max_context =
+          (std::max(P, std::max(C, max_position) + 2 * S + warm + 2) + 1 + bs - 1) / bs * bs;
       go.kv_block_size = bs;
       go.expert_budget_gib = static_cast<double>(static_cast<uint64_t>(slots) * M * slot_bytes) /
                              static_cast<double>(uint64_t{1} << 30);
@@ -320,15 +461,29 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
       }
       gpu::GpuModel& gm = **model;
       KvBlockAllocator alloc(gm.kv_blocks(), bs);
+      if (mode == "offload" && max_position > 0) {
+        std::printf("memory at position %d: KV cache %.2f GB per sequence (%d full-attention "
+                    "layers), linear-attention states %.1f MB per sequence (%d layers); %.2f GB "
+                    "for batch %d\n",
+                    max_position, kv_token_bytes * (max_position + 1.0) / 1e9, cfg.NumKvLayers(),
+                    state_bytes / 1e6, cfg.NumLinearAttentionLayers(),
+                    (kv_token_bytes * (max_position + 1.0) + state_bytes) * max_batch / 1e9,
+                    max_batch);
+        out["memory_at_position"] = {{"position", max_position},
+                                     {"kv_bytes_per_sequence", kv_token_bytes * (max_position + 1.0)},
+                                     {"state_bytes_per_sequence", state_bytes}};
+      }
+      int case_position = 0;
       auto report = [&](const char* kind, int B, int steps, int n_tokens, double secs,
                         double floor_s, const gpu::GpuCacheStats& st, double split_floor_s) {
         const double tok_s = n_tokens / secs;
         const double floor_tok_s = n_tokens / floor_s;
         std::printf(
-            "%-5s %-7s %-7s slots %3d/%d (%2.0f%%)  batch %2d  %9.2f tok/s  floor %9.2f tok/s "
-            "(%.2f of it)  misses/token %6.1f  GB fetched/token %.3f  %.2f ms/step above "
+            "%-5s %-7s %-7s slots %3d/%d (%2.0f%%)  batch %2d  pos %6d  %9.2f tok/s  floor %9.2f "
+            "tok/s (%.2f of it)  misses/token %6.1f  GB fetched/token %.3f  %.2f ms/step above "
             "floor\n",
-            std::string(fname).c_str(), mode.c_str(), kind, slots, E, 100.0 * slots / E, B, tok_s,
+            std::string(fname).c_str(), mode.c_str(), kind, slots, E, 100.0 * slots / E, B,
+            case_position, tok_s,
             floor_tok_s, tok_s / floor_tok_s, static_cast<double>(st.misses) / n_tokens,
             st.bytes_fetched / 1e9 / n_tokens, (secs - floor_s) * 1e3 / steps);
         if (split_floor_s > 0) {
@@ -353,6 +508,8 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
                                 {"cpu_busy_ms_per_step", st.cpu_seconds * 1e3 / steps},
                                 {"handoffs", st.handoffs},
                                 {"kind", kind},
+                                {"position", case_position},
+                                {"warm_steps", warm},
                                 {"slots_per_layer", slots},
                                 {"experts_per_layer", E},
                                 {"batch", B},
@@ -400,16 +557,24 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
         alloc.Free(&table);
         gm.set_routing_override(nullptr);
       }
+      const std::vector<int> starts = positions.empty() ? std::vector<int>{-1} : positions;
       for (int B : batches) {
+       for (const int start_pos : starts) {
+        const int ctx = start_pos >= 0 ? start_pos : C;
+        case_position = ctx;
         std::vector<std::vector<int32_t>> tables(B), seqs(B);
         std::vector<ModelChunk> chunks;
+        const bool linear = gm.state_slots() > 0;
         for (int b = 0; b < B; ++b) {
-          alloc.Allocate((C + 2 * S + 3 + bs - 1) / bs, &tables[b]);
-          seqs[b] = tokens(C, 100 + b);
-          chunks.push_back({seqs[b], 0, &tables[b], ChunkLogits::kLast});
+          alloc.Allocate((ctx + 2 * S + warm + 3 + bs - 1) / bs, &tables[b]);
+          seqs[b] = tokens(start_pos >= 0 ? 1 : C, 100 + b);
+          chunks.push_back({seqs[b], start_pos >= 0 ? start_pos : 0, &tables[b],
+                            ChunkLogits::kLast, linear ? b : -1});
         }
         std::vector<float> logits;
-        absl::Status st = gm.Forward(chunks, &logits);
+        absl::Status st = start_pos >= 0 ? gm.FillSyntheticContext(1) : absl::OkStatus();
+        // The context: a prompt, or one token at the synthetic context's end.
+        if (st.ok()) st = gm.Forward(chunks, &logits);
         if (!st.ok()) {
           std::fprintf(stderr, "%s\n", st.ToString().c_str());
           return 1;
@@ -419,7 +584,7 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
         gm.set_routing_override(routing);
         // Eager launches, then graph replays, each over the same routing (the trace rewound) from
         // an empty expert cache.
-        int pos = C;
+        int pos = start_pos >= 0 ? start_pos + 1 : C;
         std::vector<bool> graph_modes = {true};
         if (mode == "offload" && absl::GetFlag(FLAGS_eager)) graph_modes = {false, true};
         for (bool graphs : graph_modes) {
@@ -429,8 +594,8 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
           auto decode_step = [&]() -> absl::Status {
             chunks.clear();
             for (int b = 0; b < B; ++b) {
-              chunks.push_back(
-                  {absl::MakeConstSpan(&next[b], 1), pos, &tables[b], ChunkLogits::kLast});
+              chunks.push_back({absl::MakeConstSpan(&next[b], 1), pos, &tables[b],
+                                ChunkLogits::kLast, linear ? b : -1});
             }
             ++pos;
             logits.clear();
@@ -447,12 +612,13 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
           for (int i = 1; mode == "auto" && i < 8 && st.ok(); ++i) st = decode_step();
           if (routing) routing->Rewind();
           if (st.ok()) st = gm.ResetExpertCache();
+          for (int i = 0; i < warm && st.ok(); ++i) st = decode_step();
           gm.ResetStats();
           split_s = 0;
           double kv_bytes = 0;
           const auto t1 = Clock::now();
           for (int step = 0; step < S && st.ok(); ++step) {
-            kv_bytes += static_cast<double>(kv_token_bytes) * (pos + 1) * B;
+            kv_bytes += (static_cast<double>(kv_token_bytes) * (pos + 1) + 2.0 * state_bytes) * B;
             st = decode_step();
           }
           if (!st.ok()) {
@@ -477,6 +643,7 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
         }
         gm.set_routing_override(nullptr);
         for (auto& t : tables) alloc.Free(&t);
+       }
       }
      }
     }
@@ -500,11 +667,62 @@ int Run() {
     }
     batches.push_back(b);
   }
-  const ModelConfig cfg = Qwen3_30B_A3B(absl::GetFlag(FLAGS_layers), absl::GetFlag(FLAGS_experts),
-                                        absl::GetFlag(FLAGS_top_k), absl::GetFlag(FLAGS_vocab));
+  const std::string family = absl::GetFlag(FLAGS_family);
+  if (family != "qwen3_moe" && family != "qwen3_5_moe") {
+    std::fprintf(stderr, "--family must be qwen3_moe or qwen3_5_moe, not '%s'\n", family.c_str());
+    return 2;
+  }
+  const ModelConfig cfg =
+      family == "qwen3_5_moe"
+          ? Qwen36_35B_A3B()
+          : Qwen3_30B_A3B(absl::GetFlag(FLAGS_layers), absl::GetFlag(FLAGS_experts),
+                          absl::GetFlag(FLAGS_top_k), absl::GetFlag(FLAGS_vocab));
   std::unique_ptr<RoutingOverride> routing;
-  const std::string trace_path = absl::GetFlag(FLAGS_routing_trace);
-  if (!trace_path.empty()) {
+  std::string trace_path = absl::GetFlag(FLAGS_routing_trace);
+  const std::string synthetic_from = absl::GetFlag(FLAGS_synthetic_routing_from);
+  if (!synthetic_from.empty()) {
+    // Fit the generator's popularity and reuse to the trace at the trace's own shape, then
+    // generate routing at the model's.
+    auto trace = moe_cache::ReadNpyTrace(synthetic_from);
+    if (!trace.ok()) {
+      std::fprintf(stderr, "%s\n", trace.status().ToString().c_str());
+      return 2;
+    }
+    ModelConfig tc = cfg;
+    tc.model_type = "qwen3_moe";
+    tc.layer_types.clear();
+    tc.num_hidden_layers = trace->layers;
+    tc.num_experts = trace->MaxId() + 1;
+    tc.num_experts_per_tok = trace->k;
+    auto fit = RoutingOverride::Create(*trace, tc, {});
+    if (!fit.ok()) {
+      std::fprintf(stderr, "%s\n", fit.status().ToString().c_str());
+      return 2;
+    }
+    moe_cache::SyntheticTraceConfig sc;
+    sc.layers = cfg.NumMoeLayers();
+    sc.experts = cfg.num_experts;
+    sc.k = cfg.num_experts_per_tok;
+    sc.tokens = 4096;
+    sc.zipf = (*fit)->calibration().zipf;
+    sc.reuse = (*fit)->calibration().reuse;
+    auto syn = moe_cache::GenerateSyntheticTrace(sc);
+    if (!syn.ok()) {
+      std::fprintf(stderr, "%s\n", syn.status().ToString().c_str());
+      return 2;
+    }
+    std::printf("routing: synthetic, %d MoE layers x top-%d of %d experts, zipf %.3f and reuse "
+                "%.3f fitted to %s (%s)\n",
+                sc.layers, sc.k, sc.experts, sc.zipf, sc.reuse, synthetic_from.c_str(),
+                (*fit)->calibration().Summary().c_str());
+    auto r = RoutingOverride::Create(*std::move(syn), cfg, {});
+    if (!r.ok()) {
+      std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
+      return 2;
+    }
+    routing = *std::move(r);
+    trace_path = absl::StrCat("synthetic, fitted to ", synthetic_from);
+  } else if (!trace_path.empty()) {
     auto r = RoutingOverride::FromFile(trace_path, cfg, {});
     if (!r.ok()) {
       std::fprintf(stderr,
@@ -527,6 +745,7 @@ int Run() {
   std::vector<Case> cases;
   nlohmann::json out;
   out["threads"] = threads;
+  out["family"] = family;
   out["layers"] = cfg.num_hidden_layers;
   out["top_k"] = cfg.num_experts_per_tok;
   out["routing"] = routing ? trace_path : "router";

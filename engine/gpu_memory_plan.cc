@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status.h"
+#include "engine/linear_attention_state.h"
 #include "engine/loader.h"
 
 namespace moe::engine {
@@ -28,6 +29,13 @@ uint64_t ActivationBytesPerRow(const ModelConfig& c) {
   const int64_t H = c.hidden_size, q = int64_t{c.num_attention_heads} * c.head_dim,
                 kv = int64_t{c.num_key_value_heads} * c.head_dim, k = c.num_experts_per_tok;
   int64_t floats = 3 * H + 2 * q + 2 * kv;
+  if (c.attn_output_gate) floats += 2 * q;  // the gated q projection and the gate
+  if (c.NumLinearAttentionLayers() > 0) {
+    // The DeltaNet's projections (qkv, z, b, a), conv output, g and beta, core output.
+    const LinearAttentionConfig& la = c.linear;
+    floats += 2 * int64_t{la.conv_dim()} + 2 * int64_t{la.value_dim()} +
+              4 * int64_t{la.num_value_heads};
+  }
   if (c.NumMoeLayers() > 0) {
     floats += c.num_experts + 2 * k + k * (2 * int64_t{c.moe_intermediate_size} + H);
     floats += 2 * int64_t{c.shared_expert_intermediate_size} + 1;
@@ -54,10 +62,20 @@ DenseWeightBytes DenseWeightBytesOf(const ModelConfig& c) {
   d.lm_head = c.tie_word_embeddings ? 0 : U(V * H) * kBf16;
   d.norms = U(H) * kBf16;  // final norm
   for (int layer = 0; layer < c.num_hidden_layers; ++layer) {
-    int64_t attention = q * H + 2 * kv * H + H * q;
-    if (c.attention_bias) attention += q + 2 * kv;
-    if (c.qk_norm) attention += 2 * hd;
-    d.attention += U(attention) * kBf16;
+    if (c.IsLinearAttentionLayer(layer)) {
+      const LinearAttentionConfig& la = c.linear;
+      const int64_t proj = (int64_t{la.conv_dim()} + la.value_dim() + 2 * la.num_value_heads) * H +
+                           H * int64_t{la.value_dim()};
+      d.attention += U(proj) * kBf16;
+      // f32: conv taps, dt_bias, A_log, the gated norm's weight.
+      d.attention += U(int64_t{la.conv_kernel} * la.conv_dim() + 2 * la.num_value_heads +
+                       la.value_head_dim) * 4;
+    } else {
+      int64_t attention = (c.attn_output_gate ? 2 : 1) * q * H + 2 * kv * H + H * q;
+      if (c.attention_bias) attention += q + 2 * kv;
+      if (c.qk_norm) attention += 2 * hd;
+      d.attention += U(attention) * kBf16;
+    }
     d.norms += U(2 * H) * kBf16;
     if (c.IsMoeLayer(layer)) {
       d.router += U(int64_t{c.num_experts} * H) * kBf16;
@@ -87,7 +105,13 @@ std::string GpuMemoryPlan::Summary() const {
   if (dense.dense_mlp > 0) absl::StrAppend(&s, ", dense MLPs ", FormatBytes(dense.dense_mlp));
   absl::StrAppend(&s, "); KV cache ", FormatBytes(kv_bytes), ", ", kv_blocks, " blocks of ",
                   kv_block_size, " tokens (--max-context ", max_context, " x --max-batch ",
-                  max_batch, "); scratch ", FormatBytes(scratch_bytes()), " (workspace ",
+                  max_batch, ")",
+                  linear_state_bytes > 0
+                      ? absl::StrCat("; linear-attention states ", FormatBytes(linear_state_bytes),
+                                     " (", state_slots, " sequences of ",
+                                     FormatBytes(state_bytes_per_sequence), ")")
+                      : std::string(),
+                  "; scratch ", FormatBytes(scratch_bytes()), " (workspace ",
                   FormatBytes(workspace_bytes), ", activations of ", max_step_tokens, " tokens ",
                   FormatBytes(activation_bytes),
                   prefill_stream_bytes > 0
@@ -166,7 +190,7 @@ absl::StatusOr<GpuMemoryPlan> PlanGpuMemory(const ModelConfig& c, const GpuMemor
   if (blocks > std::numeric_limits<int>::max())
     return bad("--max-context x --max-batch needs too many KV blocks");
   p.kv_blocks = static_cast<int>(blocks);
-  p.kv_block_bytes = 2 * U(c.num_hidden_layers) * U(c.num_key_value_heads) * U(r.kv_block_size) *
+  p.kv_block_bytes = 2 * U(c.NumKvLayers()) * U(c.num_key_value_heads) * U(r.kv_block_size) *
                      U(c.head_dim) * U(r.kv_bytes_per_element);
   p.kv_bytes = U(blocks) * p.kv_block_bytes;
   const uint64_t used_scratch = used_dense + p.scratch_bytes();
@@ -176,6 +200,20 @@ absl::StatusOr<GpuMemoryPlan> PlanGpuMemory(const ModelConfig& c, const GpuMemor
         FormatBytes(p.kv_bytes), ", ", FormatBytes(After(free, used_scratch)),
         " free after dense weights, scratch and the safety reserve; lower --max-context or "
         "--max-batch"));
+  }
+  // Gated DeltaNet states.
+  if (c.NumLinearAttentionLayers() > 0) {
+    p.state_slots = r.max_batch;
+    p.state_bytes_per_sequence = LinearAttentionState::BytesPerSequence(c);
+    p.linear_state_bytes = U(p.state_slots) * p.state_bytes_per_sequence;
+    const uint64_t used_kv = used_scratch + p.kv_bytes;
+    if (used_kv + p.linear_state_bytes > free) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "linear-attention states of --max-batch ", r.max_batch, " sequences need ",
+          FormatBytes(p.linear_state_bytes), ", ", FormatBytes(After(free, used_kv)),
+          " free after dense weights, KV cache, scratch and the safety reserve; lower "
+          "--max-batch"));
+    }
   }
   // Expert slots.
   p.moe_layers = c.NumMoeLayers();
@@ -187,7 +225,7 @@ absl::StatusOr<GpuMemoryPlan> PlanGpuMemory(const ModelConfig& c, const GpuMemor
                    ExpertBankLayout(r.expert_format, c.hidden_size, c.moe_intermediate_size));
   p.slot_bytes = layout.padded_bytes_per_expert();
   const uint64_t row = U(p.moe_layers) * p.slot_bytes;  // one slot in every MoE layer
-  const uint64_t available = After(free, used_scratch + p.kv_bytes);
+  const uint64_t available = After(free, used_scratch + p.kv_bytes + p.linear_state_bytes);
   const std::string fmt(common::WeightFormatName(r.expert_format));
   if (p.automatic_budget) {
     p.slots_per_layer = static_cast<int>(std::min<uint64_t>(U(c.num_experts), available / row));

@@ -1,7 +1,8 @@
 // GPU memory plan: how the GPU engine splits the device's free memory between the dense weights
 // (bf16: embeddings, LM head unless tied, attention, norms, router, shared expert, dense MLPs),
-// the paged KV cache (bf16 K and V, enough blocks for max_batch sequences of max_context
-// tokens), scratch (a workspace reserve plus f32 activations of the largest step) and the
+// the paged KV cache (bf16 K and V of the full-attention layers, enough blocks for max_batch
+// sequences of max_context tokens), the Gated DeltaNet layers' recurrent states (f32, one slot
+// per sequence of max_batch; a fixed size whatever the context), scratch (a workspace reserve plus f32 activations of the largest step) and the
 // expert cache's slots (per MoE layer: at least top_k, at most every expert; bytes per slot from
 // the same BankLayout the loader builds, engine/loader.h ExpertBankLayout). A safety reserve is
 // never planned.
@@ -46,7 +47,8 @@ struct GpuMemoryRequest {
 struct DenseWeightBytes {
   uint64_t embeddings = 0;
   uint64_t lm_head = 0;    // 0 when tied to the embeddings (counted once)
-  uint64_t attention = 0;  // q, k, v, o projections, their biases, q/k norms
+  uint64_t attention = 0;  // q (with its output gate), k, v, o projections, their biases, q/k
+                           // norms; a Gated DeltaNet layer's projections, conv and norm
   uint64_t norms = 0;      // per-layer and final RMSNorm weights
   uint64_t router = 0;
   uint64_t shared_expert = 0;  // shared expert and its gate
@@ -64,6 +66,10 @@ struct GpuMemoryPlan {
   int kv_blocks = 0;            // max_batch * ceil(max_context / kv_block_size)
   uint64_t kv_block_bytes = 0;  // all layers, K and V
   uint64_t kv_bytes = 0;
+  // Gated DeltaNet layers: one state slot per sequence of max_batch, linear_state_bytes in all.
+  int state_slots = 0;
+  uint64_t state_bytes_per_sequence = 0;
+  uint64_t linear_state_bytes = 0;
   uint64_t workspace_bytes = 0;
   uint64_t activation_bytes = 0;  // f32 activations of max_step_tokens rows (an upper bound)
   uint64_t prefill_stream_bytes = 0;  // prefill streaming's double buffer
@@ -83,7 +89,7 @@ struct GpuMemoryPlan {
     return workspace_bytes + activation_bytes + prefill_stream_bytes;
   }
   uint64_t planned_bytes() const {
-    return dense.total() + kv_bytes + scratch_bytes() + expert_bytes;
+    return dense.total() + kv_bytes + linear_state_bytes + scratch_bytes() + expert_bytes;
   }
   // Free memory the plan leaves unused (the safety reserve included).
   uint64_t left_bytes() const { return free_bytes - planned_bytes(); }

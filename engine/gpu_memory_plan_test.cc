@@ -228,5 +228,67 @@ TEST(GpuMemoryPlanTest, BadRequestValues) {
   EXPECT_EQ(p->max_context, 4096);
 }
 
+// Qwen3.6-35B-A3B's text model: 40 layers, every fourth full attention (16 q / 2 kv heads of
+// 256, q with its output gate), the rest Gated DeltaNet (16 key heads, 32 value heads of 128,
+// conv kernel 4); 256 experts top-8 of intermediate 512 and a gated shared expert of 512.
+ModelConfig Qwen36_35B_A3B() {
+  ModelConfig c;
+  c.model_type = "qwen3_5_moe";
+  c.vocab_size = 248320;
+  c.hidden_size = 2048;
+  c.moe_intermediate_size = 512;
+  c.shared_expert_intermediate_size = 512;
+  c.num_hidden_layers = 40;
+  c.num_attention_heads = 16;
+  c.num_key_value_heads = 2;
+  c.head_dim = 256;
+  c.max_position_embeddings = 262144;
+  c.num_experts = 256;
+  c.num_experts_per_tok = 8;
+  c.norm_topk_prob = true;
+  c.qk_norm = true;
+  c.attn_output_gate = true;
+  c.partial_rotary_factor = 0.25;
+  for (int l = 0; l < 40; ++l) {
+    c.layer_types.push_back(l % 4 == 3 ? LayerKind::kFullAttention : LayerKind::kLinearAttention);
+  }
+  c.linear.num_key_heads = 16;
+  c.linear.num_value_heads = 32;
+  c.linear.key_head_dim = 128;
+  c.linear.value_head_dim = 128;
+  c.linear.conv_kernel = 4;
+  return c;
+}
+
+TEST(GpuMemoryPlanTest, GatedDeltaNetLayersHoldStatesNotKv) {
+  const ModelConfig c = Qwen36_35B_A3B();
+  ASSERT_EQ(c.NumKvLayers(), 10);
+  ASSERT_EQ(c.NumLinearAttentionLayers(), 30);
+  auto p = PlanGpuMemory(c, Request(kH100Free, 0, 131072, 2));
+  ASSERT_TRUE(p.ok()) << p.status();
+  // K and V of the 10 full-attention layers only: 2 x 10 x 2 heads x 256 x bf16 per token.
+  EXPECT_EQ(p->kv_block_bytes, 16ull * 2 * 10 * 2 * 256 * 2);
+  EXPECT_EQ(p->kv_blocks, 2 * 131072 / 16);
+  // Per sequence and DeltaNet layer: conv inputs [3, 2 x 2048 + 4096] and the state
+  // [32, 128, 128], f32.
+  const uint64_t per_seq = 30ull * (3 * 8192 + 32 * 128 * 128) * 4;
+  EXPECT_EQ(p->state_bytes_per_sequence, per_seq);
+  EXPECT_EQ(p->state_slots, 2);
+  EXPECT_EQ(p->linear_state_bytes, 2 * per_seq);
+  // Dense: a DeltaNet layer's in_proj (8192 + 4096 + 64 rows) and out_proj (4096 columns) in
+  // bf16 plus its f32 conv taps, dt_bias, A_log and norm; a full-attention layer's gated q
+  // (2 x 4096 rows), k and v (512 rows), o, q/k norms.
+  const uint64_t linear = (12352ull * 2048 + 2048ull * 4096) * 2 + (4ull * 8192 + 64 + 128) * 4;
+  const uint64_t full = (2 * 4096ull * 2048 + 2 * 512ull * 2048 + 2048ull * 4096 + 2 * 256) * 2;
+  EXPECT_EQ(p->dense.attention, 30 * linear + 10 * full);
+  EXPECT_EQ(p->dense.total() + p->kv_bytes + p->linear_state_bytes + p->scratch_bytes() +
+                p->expert_bytes,
+            p->planned_bytes());
+  EXPECT_NE(p->Summary().find("linear-attention states"), std::string::npos) << p->Summary();
+  // States of many sequences that do not fit are an error naming them.
+  auto big = PlanGpuMemory(c, Request(8 * kGiB, 0, 4096, 4096));
+  ASSERT_FALSE(big.ok());
+}
+
 }  // namespace
 }  // namespace moe::engine

@@ -13,6 +13,7 @@
 #include "common/cuda_status.h"
 #include "common/formats.h"
 #include "common/status.h"
+#include "engine/linear_attention_state.h"
 #include "engine/loader.h"
 
 #if MOE_HAVE_CUDA
@@ -23,6 +24,7 @@
 #include "engine/cuda/experts/routed_experts.h"
 #include "engine/cuda/hybrid/handoff_kernels.h"
 #include "engine/cuda/hybrid/hybrid_profile.h"
+#include "engine/cuda/ops/delta_net.h"
 #include "engine/cuda/ops/gemm.h"
 #include "engine/cuda/ops/rope_table.h"
 #include "engine/cuda/ops/token_ops.h"
@@ -146,6 +148,8 @@ struct DenseW {
 struct GpuLayer {
   const float* input_norm = nullptr;
   const float* post_norm = nullptr;
+  // Full attention (q holds per head the query and its output gate where the model gates).
+  int kv_index = -1;
   DenseW q, k, v, o;
   const float *q_bias = nullptr, *k_bias = nullptr, *v_bias = nullptr;
   const float *q_norm = nullptr, *k_norm = nullptr;
@@ -154,6 +158,11 @@ struct GpuLayer {
   DenseW router;
   DenseW shared_gate_up, shared_down, shared_gate;  // empty without a shared expert
   DenseW mlp_gate_up, mlp_down;                     // dense layers only
+  // Gated DeltaNet (linear attention): in_proj [qkv; z; b; a] stacked, out_proj; f32 conv taps
+  // [kernel, conv_dim], dt_bias, A_log, the gated norm's weight.
+  int linear_index = -1;
+  DenseW lin_in, lin_out;
+  const float *conv = nullptr, *dt_bias = nullptr, *a_log = nullptr, *lin_norm = nullptr;
 };
 
 std::vector<uint16_t> ToBf16(const Tensor& t) {
@@ -215,6 +224,20 @@ struct GpuModel::Impl {
   moe_cache::GatherDescriptor desc{};
   moe_cache::GatherLaunchConfig gather;
   std::unique_ptr<ExpertWorkspace> expert_ws;
+  // Gated DeltaNet layers: the states of every slot (LinearAttentionState's layout), the pass's
+  // pieces.
+  DeltaNetShape dn;
+  int state_slots = 0;
+  int64_t state_layer_stride = 0, state_conv_floats = 0, state_slot_stride = 0;
+  float* d_state = nullptr;
+  int32_t *d_piece_first = nullptr, *d_piece_rows = nullptr, *d_piece_start = nullptr,
+          *d_piece_slot = nullptr;
+  int32_t *h_piece_first = nullptr, *h_piece_rows = nullptr, *h_piece_start = nullptr,
+          *h_piece_slot = nullptr;
+  float *qg = nullptr, *qgate = nullptr, *lin_proj = nullptr, *lin_conv = nullptr,
+        *lin_g = nullptr, *lin_beta = nullptr, *lin_core = nullptr;
+  uint16_t* lin_coreb = nullptr;
+  int64_t lin_proj_cols = 0;
 
   // Device activations and per-pass inputs (carved from one allocation).
   int32_t *d_tokens = nullptr, *d_positions = nullptr, *d_seq_ids = nullptr,
@@ -304,6 +327,21 @@ struct GpuModel::Impl {
   absl::StatusOr<const float*> UploadF32(const Tensor& t, const std::string& what);
   absl::StatusOr<DenseW> UploadMatrix(const Tensor& t, const std::string& what);
   absl::StatusOr<DenseW> UploadStacked(const Tensor& a, const Tensor& b, const std::string& what);
+  // Matrices of one input width stacked row-wise into one (one GEMM for several projections).
+  absl::StatusOr<DenseW> UploadRows(std::initializer_list<const Tensor*> parts,
+                                    const std::string& what);
+  DeltaNetState LayerState(int linear_index) const {
+    DeltaNetState st;
+    st.conv = d_state + linear_index * state_layer_stride;
+    st.recurrent = st.conv + state_conv_floats;
+    st.slot_stride = state_slot_stride;
+    st.num_slots = state_slots;
+    return st;
+  }
+  // The token mixer of a Gated DeltaNet layer: from xb (the normed input, bf16) into h.
+  absl::Status LinearAttention(const GpuLayer& lw, int rows, int pieces);
+  // Fills the KV cache and the linear-attention states with values for benchmarks.
+  absl::Status FillSyntheticContext(uint64_t seed);
 
   absl::Status Gemm(const DenseW& w, const uint16_t* x, int rows, float* y, bool accumulate,
                     const float* bias = nullptr);
@@ -393,6 +431,23 @@ absl::StatusOr<DenseW> GpuModel::Impl::UploadStacked(const Tensor& a, const Tens
   return d;
 }
 
+absl::StatusOr<DenseW> GpuModel::Impl::UploadRows(std::initializer_list<const Tensor*> parts,
+                                                  const std::string& what) {
+  DenseW d;
+  std::vector<uint16_t> host;
+  for (const Tensor* t : parts) {
+    if (d.k != 0 && t->cols != d.k) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": input widths differ"));
+    }
+    d.k = static_cast<int>(t->cols);
+    d.n += static_cast<int>(t->rows);
+    const std::vector<uint16_t> b = ToBf16(*t);
+    host.insert(host.end(), b.begin(), b.end());
+  }
+  ASSIGN_OR_RETURN(d.w, UploadBf16(host, what));
+  return d;
+}
+
 absl::Status GpuModel::Impl::Gemm(const DenseW& w, const uint16_t* x, int rows, float* y,
                                   bool accumulate, const float* bias) {
   GemmArgs a;
@@ -426,14 +481,29 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
   const int H = c.hidden_size, nh = c.num_attention_heads, nkv = c.num_key_value_heads,
             hd = c.head_dim, E = c.num_experts, K = c.num_experts_per_tok,
             L = c.num_hidden_layers, M = c.NumMoeLayers();
-  if (c.model_type == "qwen3_5_moe") {
-    return absl::UnimplementedError(
-        "the CUDA backend does not serve qwen3_5_moe yet (its Gated DeltaNet layers, gated "
-        "attention and partial rotary run on the CPU backend only: --backend cpu)");
+  if (c.model_type != "qwen3_moe" && c.model_type != "qwen2_moe" &&
+      c.model_type != "qwen3_5_moe") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the CUDA backend serves qwen3_moe, qwen2_moe and qwen3_5_moe, not ", c.model_type));
   }
-  if (c.model_type != "qwen3_moe" && c.model_type != "qwen2_moe") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the CUDA backend serves qwen3_moe and qwen2_moe, not ", c.model_type));
+  const int LL = c.NumLinearAttentionLayers();
+  if (LL > 0) {
+    const LinearAttentionConfig& la = c.linear;
+    dn.num_key_heads = la.num_key_heads;
+    dn.num_value_heads = la.num_value_heads;
+    dn.key_head_dim = la.key_head_dim;
+    dn.value_head_dim = la.value_head_dim;
+    dn.conv_kernel = la.conv_kernel;
+    if (la.num_key_heads <= 0 || la.num_value_heads <= 0 ||
+        la.num_value_heads % la.num_key_heads != 0 || la.key_head_dim <= 0 ||
+        la.key_head_dim > kMaxDeltaHeadDim || la.value_head_dim <= 0 ||
+        la.value_head_dim > kMaxDeltaHeadDim || la.conv_kernel < 2 || la.conv_kernel > 8) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "linear attention of ", la.num_key_heads, " key / ", la.num_value_heads,
+          " value heads of ", la.key_head_dim, " / ", la.value_head_dim, ", conv kernel ",
+          la.conv_kernel, ": the GPU kernels serve head dims up to ", kMaxDeltaHeadDim,
+          " and kernels of 2 to 8 taps"));
+    }
   }
   if (nh <= 0 || nkv <= 0 || nh % nkv != 0 || static_cast<int>(w->layers.size()) != L) {
     return absl::InvalidArgumentError("bad attention heads or layer count");
@@ -512,6 +582,22 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
   }
   if (opt.print_plan) std::fprintf(stderr, "%s\n", plan.Summary().c_str());
   kv_blocks = opt.kv_blocks > 0 ? opt.kv_blocks : plan.kv_blocks;
+  if (LL > 0) {
+    state_slots = plan.state_slots;
+    const LinearAttentionConfig& la = c.linear;
+    state_conv_floats = static_cast<int64_t>(la.conv_kernel - 1) * la.conv_dim();
+    state_layer_stride =
+        state_conv_floats + static_cast<int64_t>(la.num_value_heads) * la.key_head_dim *
+                                la.value_head_dim;
+    state_slot_stride = state_layer_stride * LL;
+    auto buf = std::make_unique<DeviceBuffer>();
+    RETURN_IF_ERROR(buf->Allocate(static_cast<uint64_t>(state_slot_stride) * state_slots * 4,
+                                  absl::StrCat("linear-attention states of ", state_slots,
+                                               " sequences")));
+    CUDA_RETURN_IF_ERROR(cudaMemset(buf->get(), 0, buf->bytes()));
+    d_state = static_cast<float*>(buf->get());
+    owned.push_back(std::move(buf));
+  }
   max_blocks = (max_context + opt.kv_block_size - 1) / opt.kv_block_size;
   if (kv_blocks < max_blocks) {
     return absl::InvalidArgumentError(absl::StrCat("kv_blocks ", kv_blocks,
@@ -540,15 +626,39 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
     const std::string at = absl::StrCat("layer ", l, " ");
     ASSIGN_OR_RETURN(g.input_norm, UploadF32(lw.input_layernorm, at + "input norm"));
     ASSIGN_OR_RETURN(g.post_norm, UploadF32(lw.post_attention_layernorm, at + "post norm"));
-    ASSIGN_OR_RETURN(g.q, UploadMatrix(lw.q_proj, at + "q_proj"));
-    ASSIGN_OR_RETURN(g.k, UploadMatrix(lw.k_proj, at + "k_proj"));
-    ASSIGN_OR_RETURN(g.v, UploadMatrix(lw.v_proj, at + "v_proj"));
-    ASSIGN_OR_RETURN(g.o, UploadMatrix(lw.o_proj, at + "o_proj"));
-    ASSIGN_OR_RETURN(g.q_bias, UploadF32(lw.q_bias, at + "q bias"));
-    ASSIGN_OR_RETURN(g.k_bias, UploadF32(lw.k_bias, at + "k bias"));
-    ASSIGN_OR_RETURN(g.v_bias, UploadF32(lw.v_bias, at + "v bias"));
-    ASSIGN_OR_RETURN(g.q_norm, UploadF32(lw.q_norm, at + "q norm"));
-    ASSIGN_OR_RETURN(g.k_norm, UploadF32(lw.k_norm, at + "k norm"));
+    if (c.IsLinearAttentionLayer(l)) {
+      g.linear_index = c.LinearLayerIndex(l);
+      ASSIGN_OR_RETURN(g.lin_in, UploadRows({&lw.in_proj_qkv, &lw.in_proj_z, &lw.in_proj_b,
+                                             &lw.in_proj_a},
+                                            at + "linear attention in_proj"));
+      ASSIGN_OR_RETURN(g.lin_out, UploadMatrix(lw.out_proj, at + "linear attention out_proj"));
+      ASSIGN_OR_RETURN(g.conv, UploadF32(lw.conv1d, at + "conv1d"));
+      ASSIGN_OR_RETURN(g.dt_bias, UploadF32(lw.dt_bias, at + "dt_bias"));
+      ASSIGN_OR_RETURN(g.a_log, UploadF32(lw.a_log, at + "A_log"));
+      ASSIGN_OR_RETURN(g.lin_norm, UploadF32(lw.linear_norm, at + "linear attention norm"));
+      if (g.lin_in.n != c.linear.conv_dim() + c.linear.value_dim() +
+                            2 * c.linear.num_value_heads ||
+          g.lin_out.k != c.linear.value_dim() || g.conv == nullptr || g.dt_bias == nullptr ||
+          g.a_log == nullptr || g.lin_norm == nullptr) {
+        return absl::InvalidArgumentError(at + "linear attention weights of the wrong shape");
+      }
+      lin_proj_cols = std::max<int64_t>(lin_proj_cols, g.lin_in.n);
+    } else {
+      g.kv_index = c.KvLayerIndex(l);
+      ASSIGN_OR_RETURN(g.q, UploadMatrix(lw.q_proj, at + "q_proj"));
+      ASSIGN_OR_RETURN(g.k, UploadMatrix(lw.k_proj, at + "k_proj"));
+      ASSIGN_OR_RETURN(g.v, UploadMatrix(lw.v_proj, at + "v_proj"));
+      ASSIGN_OR_RETURN(g.o, UploadMatrix(lw.o_proj, at + "o_proj"));
+      ASSIGN_OR_RETURN(g.q_bias, UploadF32(lw.q_bias, at + "q bias"));
+      ASSIGN_OR_RETURN(g.k_bias, UploadF32(lw.k_bias, at + "k bias"));
+      ASSIGN_OR_RETURN(g.v_bias, UploadF32(lw.v_bias, at + "v bias"));
+      ASSIGN_OR_RETURN(g.q_norm, UploadF32(lw.q_norm, at + "q norm"));
+      ASSIGN_OR_RETURN(g.k_norm, UploadF32(lw.k_norm, at + "k norm"));
+      if (g.q.n != (c.attn_output_gate ? 2 : 1) * nh * hd) {
+        return absl::InvalidArgumentError(absl::StrCat(at, "q_proj has ", g.q.n, " rows, not ",
+                                                       (c.attn_output_gate ? 2 : 1) * nh * hd));
+      }
+    }
     g.is_moe = lw.is_moe;
     g.moe_index = lw.moe_index;
     if (lw.is_moe) {
@@ -569,9 +679,9 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
   ASSIGN_OR_RETURN(rope, DeviceRopeTable::Create(cs));
 
   {
-    auto kvp = PagedKvPool::Create(L, nkv, hd, opt.kv_block_size, kv_blocks);
+    auto kvp = PagedKvPool::Create(std::max(1, c.NumKvLayers()), nkv, hd, opt.kv_block_size, kv_blocks);
     if (!kvp.ok()) {
-      const uint64_t bytes = 2ull * L * nkv * hd * opt.kv_block_size * kv_blocks * 2;
+      const uint64_t bytes = 2ull * c.NumKvLayers() * nkv * hd * opt.kv_block_size * kv_blocks * 2;
       return absl::Status(kvp.status().code(),
                           absl::StrCat("GPU memory: KV cache of ", kv_blocks, " blocks (",
                                        FormatBytes(bytes), "): ", kvp.status().message()));
@@ -678,6 +788,22 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
       {reinterpret_cast<void**>(&plan_counts), static_cast<uint64_t>(std::max(1, max_calls)) * 4},
       {reinterpret_cast<void**>(&plan_entries), routes * sizeof(moe_cache::MissPlanEntry)},
   };
+  if (c.attn_output_gate) {
+    parts.push_back({reinterpret_cast<void**>(&qg), T * 2 * Q * 4});
+    parts.push_back({reinterpret_cast<void**>(&qgate), T * Q * 4});
+  }
+  if (LL > 0) {
+    const int64_t C = dn.conv_dim(), Vd = dn.value_dim(), nv = dn.num_value_heads;
+    for (int32_t** a : {&d_piece_first, &d_piece_rows, &d_piece_start, &d_piece_slot}) {
+      parts.push_back({reinterpret_cast<void**>(a), static_cast<uint64_t>(seq_cap) * 4});
+    }
+    parts.push_back({reinterpret_cast<void**>(&lin_proj), T * lin_proj_cols * 4});
+    parts.push_back({reinterpret_cast<void**>(&lin_conv), T * C * 4});
+    parts.push_back({reinterpret_cast<void**>(&lin_g), T * nv * 4});
+    parts.push_back({reinterpret_cast<void**>(&lin_beta), T * nv * 4});
+    parts.push_back({reinterpret_cast<void**>(&lin_core), T * Vd * 4});
+    parts.push_back({reinterpret_cast<void**>(&lin_coreb), T * Vd * 2});
+  }
   uint64_t total = 0;
   std::vector<uint64_t> offsets;
   for (const auto& p : parts) {
@@ -693,7 +819,7 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
   owned.push_back(std::move(arena));
 
   const uint64_t host_ints = 3 * T + seq_cap + static_cast<uint64_t>(seq_cap) * max_blocks +
-                             M64 * routes + std::max(1, max_calls);
+                             M64 * routes + std::max(1, max_calls) + 4ull * seq_cap;
   CUDA_RETURN_IF_ERROR(cudaHostAlloc(&host_block, host_ints * 4, cudaHostAllocDefault));
   int32_t* p = static_cast<int32_t*>(host_block);
   h_tokens = p;
@@ -703,6 +829,10 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
   h_tables = h_seq_lens + seq_cap;
   h_forced = h_tables + static_cast<int64_t>(seq_cap) * max_blocks;
   h_counts = h_forced + M64 * routes;
+  h_piece_first = h_counts + std::max(1, max_calls);
+  h_piece_rows = h_piece_first + seq_cap;
+  h_piece_start = h_piece_rows + seq_cap;
+  h_piece_slot = h_piece_start + seq_cap;
   {
     const uint64_t bytes = static_cast<uint64_t>(logit_rows) * V * 4;
     const cudaError_t e = cudaHostAlloc(reinterpret_cast<void**>(&h_logits), bytes,
@@ -823,6 +953,44 @@ absl::Status GpuModel::Impl::InitHybrid() {
                  opt.hybrid_profile.contended ? ", measured under contention" : "", show,
                  table[show], show - table[show], threads, shape.max_rows);
   }
+  return absl::OkStatus();
+}
+
+absl::Status GpuModel::Impl::LinearAttention(const GpuLayer& lw, int rows, int pieces) {
+  const ModelConfig& c = w->config;
+  CUstream_st* s = stream();
+  const int C = dn.conv_dim(), Vd = dn.value_dim(), nv = dn.num_value_heads;
+  const int64_t P = lw.lin_in.n;  // [qkv (C) | z (Vd) | b (nv) | a (nv)]
+  RETURN_IF_ERROR(Gemm(lw.lin_in, xb, rows, lin_proj, false));
+  DeltaNetPieces pc;
+  pc.num_pieces = pieces;
+  pc.first_row = d_piece_first;
+  pc.num_rows = d_piece_rows;
+  pc.start_pos = d_piece_start;
+  pc.state_slot = d_piece_slot;
+  const DeltaNetState st = LayerState(lw.linear_index);
+  RETURN_IF_ERROR(LaunchDeltaNetConv(lin_proj, P, rows, dn, lw.conv, pc, st, lin_conv, s));
+  RETURN_IF_ERROR(LaunchDeltaNetGates(lin_conv, rows, dn, d_positions, lin_proj, P, C + Vd,
+                                      C + Vd + nv, lw.a_log, lw.dt_bias, lin_g, lin_beta, s));
+  RETURN_IF_ERROR(LaunchDeltaRule(lin_conv, lin_g, lin_beta, rows, dn, pc, st, lin_core, s));
+  RETURN_IF_ERROR(LaunchGatedRmsNorm(lin_core, lin_proj + C, P, rows, nv, dn.value_head_dim,
+                                     lw.lin_norm, c.rms_norm_eps, lin_coreb, s));
+  return Gemm(lw.lin_out, lin_coreb, rows, h, /*accumulate=*/true);
+}
+
+absl::Status GpuModel::Impl::FillSyntheticContext(uint64_t seed) {
+  CUstream_st* s = stream();
+  for (int i = 0; i < kv->num_layers(); ++i) {
+    const PagedKvLayer& kl = kv->layer(i);
+    const int64_t n = static_cast<int64_t>(kv->layer_bytes() / 2);
+    RETURN_IF_ERROR(LaunchFillUniformBf16(kl.k, n, -1.0f, 1.0f, seed + 2 * i, s));
+    RETURN_IF_ERROR(LaunchFillUniformBf16(kl.v, n, -1.0f, 1.0f, seed + 2 * i + 1, s));
+  }
+  if (d_state != nullptr) {
+    RETURN_IF_ERROR(LaunchFillUniformF32(d_state, state_slot_stride * state_slots, -0.05f, 0.05f,
+                                         seed + 1000003, s));
+  }
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   return absl::OkStatus();
 }
 
@@ -966,6 +1134,10 @@ GpuModel::Impl::PassInputs GpuModel::Impl::StagePass(absl::Span<const ModelChunk
       h_seq_ids[r + i] = static_cast<int32_t>(p);
     }
     h_seq_lens[p] = ch.start + pc.offset + pc.count;
+    h_piece_first[p] = r;
+    h_piece_rows[p] = pc.count;
+    h_piece_start[p] = ch.start + pc.offset;
+    h_piece_slot[p] = ch.state_slot;
     int32_t* table = h_tables + static_cast<int64_t>(p) * max_blocks;
     const int nb = std::min<int>(max_blocks, ch.block_table->size());
     std::copy_n(ch.block_table->data(), nb, table);
@@ -987,6 +1159,10 @@ GpuModel::Impl::PassInputs GpuModel::Impl::StagePass(absl::Span<const ModelChunk
       h_positions[p] = -1;
       h_seq_ids[p] = p;
       h_seq_lens[p] = 0;
+      h_piece_first[p] = p;
+      h_piece_rows[p] = 1;
+      h_piece_start[p] = -1;
+      h_piece_slot[p] = 0;
       std::fill_n(h_tables + static_cast<int64_t>(p) * max_blocks, max_blocks, 0);
     }
     in.rows = in.seqs = bucket;
@@ -1027,6 +1203,12 @@ absl::Status GpuModel::Impl::EnqueuePass(absl::Span<const ModelChunk> chunks,
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_tables, h_tables,
                                        static_cast<size_t>(P) * max_blocks * 4,
                                        cudaMemcpyHostToDevice, s));
+  if (d_state != nullptr) {
+    for (auto [d, hst] : {std::pair{d_piece_first, h_piece_first}, {d_piece_rows, h_piece_rows},
+                          {d_piece_start, h_piece_start}, {d_piece_slot, h_piece_slot}}) {
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d, hst, P * 4, cudaMemcpyHostToDevice, s));
+    }
+  }
 
   RETURN_IF_ERROR(LaunchEmbeddingGather(embed.w, V, H, d_tokens, rows, h, s));
   if (in.streamed) {
@@ -1038,9 +1220,17 @@ absl::Status GpuModel::Impl::EnqueuePass(absl::Span<const ModelChunk> chunks,
   }
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const GpuLayer& lw = layers[l];
-    const PagedKvLayer& kvl = kv->layer(l);
     RETURN_IF_ERROR(LaunchRmsNorm(h, rows, H, lw.input_norm, c.rms_norm_eps, nullptr, xb, s));
-    RETURN_IF_ERROR(Gemm(lw.q, xb, rows, q, false, lw.q_bias));
+    if (lw.linear_index >= 0) {
+      RETURN_IF_ERROR(LinearAttention(lw, rows, P));
+    } else {
+    const PagedKvLayer& kvl = kv->layer(lw.kv_index);
+    if (c.attn_output_gate) {
+      RETURN_IF_ERROR(Gemm(lw.q, xb, rows, qg, false, lw.q_bias));
+      RETURN_IF_ERROR(LaunchSplitGatedQuery(qg, rows, nh, hd, q, qgate, s));
+    } else {
+      RETURN_IF_ERROR(Gemm(lw.q, xb, rows, q, false, lw.q_bias));
+    }
     RETURN_IF_ERROR(Gemm(lw.k, xb, rows, k, false, lw.k_bias));
     RETURN_IF_ERROR(Gemm(lw.v, xb, rows, v, false, lw.v_bias));
     QkNormRopeArgs qa;
@@ -1057,6 +1247,7 @@ absl::Status GpuModel::Impl::EnqueuePass(absl::Span<const ModelChunk> chunks,
     qa.cos = rope->cos();
     qa.sin = rope->sin();
     qa.max_positions = rope->max_positions();
+    qa.rotary_dim = rope->rotary_dim();
     RETURN_IF_ERROR(LaunchQkNormRope(qa, s));
     AppendKvArgs ka;
     ka.k = k;
@@ -1106,8 +1297,13 @@ absl::Status GpuModel::Impl::EnqueuePass(absl::Span<const ModelChunk> chunks,
         r += count;
       }
     }
-    RETURN_IF_ERROR(LaunchF32ToBf16(attn, rows * Q, attnb, s));
+    if (c.attn_output_gate) {
+      RETURN_IF_ERROR(LaunchSigmoidGateToBf16(attn, qgate, rows * Q, attnb, s));
+    } else {
+      RETURN_IF_ERROR(LaunchF32ToBf16(attn, rows * Q, attnb, s));
+    }
     RETURN_IF_ERROR(Gemm(lw.o, attnb, rows, h, /*accumulate=*/true));
+    }
     RETURN_IF_ERROR(LaunchRmsNorm(h, rows, H, lw.post_norm, c.rms_norm_eps, xn, xb, s));
     if (lw.is_moe && in.streamed) {
       RETURN_IF_ERROR(StreamedMoeBlock(lw, rows));
@@ -1364,6 +1560,17 @@ absl::Status GpuModel::Forward(absl::Span<const ModelChunk> chunks, std::vector<
     }
     rows += static_cast<int>(ch.tokens.size());
   }
+  if (m.state_slots > 0) {
+    std::vector<bool> used(m.state_slots, false);
+    for (const ModelChunk& ch : chunks) {
+      if (ch.state_slot < 0 || ch.state_slot >= m.state_slots || used[ch.state_slot]) {
+        return absl::InvalidArgumentError(absl::StrCat("chunk state slot ", ch.state_slot,
+                                                       ": not in [0, ", m.state_slots,
+                                                       ") or used by two chunks of one batch"));
+      }
+      used[ch.state_slot] = true;
+    }
+  }
   if (rows == 0) return absl::OkStatus();
   if (m.routing != nullptr) {
     if (m.routing->moe_layers() != M || m.routing->k() != K) {
@@ -1415,9 +1622,14 @@ const ModelConfig& GpuModel::config() const { return impl_->w->config; }
 int GpuModel::max_positions() const { return impl_->max_context; }
 int GpuModel::kv_blocks() const { return impl_->kv_blocks; }
 int GpuModel::kv_block_size() const { return impl_->opt.kv_block_size; }
+int GpuModel::state_slots() const { return impl_->state_slots; }
+absl::Status GpuModel::FillSyntheticContext(uint64_t seed) {
+  return impl_->FillSyntheticContext(seed);
+}
 uint64_t GpuModel::memory_bytes() const {
   const Impl& m = *impl_;
   return m.dense_bytes + 2 * m.kv->layer_bytes() * m.kv->num_layers() +
+         static_cast<uint64_t>(m.state_slot_stride) * m.state_slots * 4 +
          (m.pool != nullptr ? m.pool->total_bytes() : 0);
 }
 void GpuModel::set_routing_override(RoutingOverride* routing) { impl_->routing = routing; }
@@ -1465,6 +1677,10 @@ const ModelConfig& GpuModel::config() const { return impl_->config; }
 int GpuModel::max_positions() const { return 0; }
 int GpuModel::kv_blocks() const { return 0; }
 int GpuModel::kv_block_size() const { return 0; }
+int GpuModel::state_slots() const { return 0; }
+absl::Status GpuModel::FillSyntheticContext(uint64_t) {
+  return absl::UnavailableError("GPU model: built without CUDA");
+}
 uint64_t GpuModel::memory_bytes() const { return 0; }
 void GpuModel::set_routing_override(RoutingOverride*) {}
 const GpuMemoryPlan& GpuModel::plan() const { return impl_->plan; }

@@ -1,20 +1,25 @@
-// GpuModel: the forward pass of a qwen3_moe / qwen2_moe decoder on one GPU, with the same contract
-// as the CPU's engine::Model (engine/model.h) behind the ForwardModel interface: chunks of
-// consecutive tokens of different sequences (prefill chunks and decode tokens mixed), their keys
-// and values into a paged bf16 KV cache in device memory, logits of the rows that want them
-// copied back to the host.
+// GpuModel: the forward pass of a qwen3_moe / qwen2_moe / qwen3_5_moe decoder on one GPU, with
+// the same contract as the CPU's engine::Model (engine/model.h) behind the ForwardModel
+// interface: chunks of consecutive tokens of different sequences (prefill chunks and decode
+// tokens mixed), their keys and values into a paged bf16 KV cache in device memory, logits of
+// the rows that want them copied back to the host.
 //
 // Per layer, on the compute stream: RMSNorm, the q/k/v projections (cuBLAS, bf16 weights and
-// activations, f32 out, qwen2_moe's biases), Qwen3's q/k RMSNorm and RoPE, the KV append, decode
-// attention (one token per sequence, split over the sequence) or causal prefill attention per
-// chunk, the o projection into the residual; then the MoE block: router GEMM, softmax top-k in
+// activations, f32 out, qwen2_moe's biases), Qwen3's q/k RMSNorm and RoPE (over the first
+// rotary_dim of each head), the KV append, decode attention (one token per sequence, split over
+// the sequence) or causal prefill attention per chunk, qwen3_5_moe's sigmoid output gate, the o
+// projection into the residual; qwen3_5_moe's Gated DeltaNet layers instead run the token mixer
+// of engine/cuda/ops/delta_net.h on each sequence's state slot (one GEMM for the q/k/v/z/b/a
+// projections, the conv, the gates, the delta rule, the gated norm, the output projection).
+// Then the MoE block: router GEMM, softmax top-k in
 // f32 (or the routing override's forced ids, weighted by the router's probabilities),
 // moe_cache's ensure_experts kernel (the single writer of the slot map and the miss plan), the
 // miss copy from the pinned host ExpertStore into the GPU SlotPool by the gather kernel, and the
-// routed experts computed from the slots (engine/cuda/experts). qwen2_moe's sigmoid-gated shared
-// expert runs on the compute stream beside the miss copy on the side stream (moe_overlap's
-// fork/join); without a shared expert the copy runs on the compute stream. Dense (non-MoE)
-// layers run a SwiGLU MLP. The final RMSNorm and LM head run only on the rows that want logits.
+// routed experts computed from the slots (engine/cuda/experts). The sigmoid-gated shared
+// expert (qwen2_moe, qwen3_5_moe) runs on the compute stream beside the miss copy on the side
+// stream (moe_overlap's fork/join); without a shared expert the copy runs on the compute stream.
+// Dense (non-MoE) layers run a SwiGLU MLP. The final RMSNorm and LM head run only on the rows
+// that want logits.
 //
 // Memory: PlanGpuMemory (engine/gpu_memory_plan.h) on the device's free memory decides the KV
 // blocks and the expert slots; every device buffer is allocated in Create, and an allocation
@@ -143,6 +148,9 @@ class GpuModel final : public ForwardModel {
   int max_positions() const override;
   int kv_blocks() const override;
   int kv_block_size() const override;
+  // qwen3_5_moe: one Gated DeltaNet state slot per sequence of max_batch (the memory plan's);
+  // 0 for models without linear-attention layers.
+  int state_slots() const override;
   uint64_t memory_bytes() const override;
   std::string backend() const override { return "cuda"; }
   void set_routing_override(RoutingOverride* routing) override;
@@ -170,6 +178,11 @@ class GpuModel final : public ForwardModel {
   // The bandwidth profile the hybrid split runs on (given or measured at start); zeros when
   // hybrid experts are off.
   moe_cache::BandwidthProfile hybrid_profile() const;
+
+  // Benchmarks: fills the whole KV cache (bf16 in [-1, 1)) and every linear-attention state (f32
+  // in [-0.05, 0.05)) with pseudo-random values of `seed`, so decode can start at any position
+  // of a sequence without a prefill (chunks that start past 0 continue from these values).
+  absl::Status FillSyntheticContext(uint64_t seed);
 
   // Test hook: the capture of the decode bucket after `captures` more successful ones fails as
   // an out-of-memory of cudaGraphInstantiate would (ResourceExhausted, the pass not run); -1

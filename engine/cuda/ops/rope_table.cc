@@ -16,16 +16,18 @@ namespace moe::engine::gpu {
 
 absl::StatusOr<RopeCosSin> BuildRopeCosSin(const RopeParams& params, int head_dim,
                                            int max_positions) {
-  if (head_dim <= 0 || head_dim % 2 != 0 ||
-      static_cast<int>(params.inv_freq.size()) != head_dim / 2 || max_positions <= 0) {
+  if (head_dim <= 0 || head_dim % 2 != 0 || params.inv_freq.empty() ||
+      static_cast<int>(params.inv_freq.size()) > head_dim / 2 || max_positions <= 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("rope table: head_dim ", head_dim, " (even, with ", params.inv_freq.size(),
-                     " frequencies = head_dim / 2), max_positions ", max_positions));
+        absl::StrCat("rope table: head_dim ", head_dim, " (even, with 1 to head_dim / 2 "
+                     "frequencies, not ", params.inv_freq.size(), "), max_positions ",
+                     max_positions));
   }
   RopeCosSin t;
   t.head_dim = head_dim;
+  t.rotary_dim = 2 * static_cast<int>(params.inv_freq.size());
   t.max_positions = max_positions;
-  const int half = head_dim / 2;
+  const int half = t.rotary_dim / 2;
   t.cos.resize(static_cast<size_t>(max_positions) * half);
   t.sin.resize(t.cos.size());
   for (int pos = 0; pos < max_positions; ++pos) {
@@ -43,13 +45,15 @@ absl::StatusOr<RopeCosSin> BuildRopeCosSin(const RopeParams& params, int head_di
 absl::StatusOr<std::unique_ptr<DeviceRopeTable>> DeviceRopeTable::Create(const RopeCosSin& host) {
 #if MOE_HAVE_CUDA
   RETURN_IF_ERROR(common::CudaAvailable());
-  if (host.head_dim <= 0 || host.max_positions <= 0 ||
-      host.cos.size() != static_cast<size_t>(host.max_positions) * (host.head_dim / 2) ||
+  if (host.head_dim <= 0 || host.rotary_dim <= 0 || host.rotary_dim > host.head_dim ||
+      host.rotary_dim % 2 != 0 || host.max_positions <= 0 ||
+      host.cos.size() != static_cast<size_t>(host.max_positions) * (host.rotary_dim / 2) ||
       host.sin.size() != host.cos.size()) {
     return absl::InvalidArgumentError("rope table: sizes do not match head_dim and positions");
   }
   std::unique_ptr<DeviceRopeTable> t(new DeviceRopeTable());
   t->head_dim_ = host.head_dim;
+  t->rotary_dim_ = host.rotary_dim;
   t->max_positions_ = host.max_positions;
   const size_t bytes = host.cos.size() * sizeof(float);
   if (cudaMalloc(reinterpret_cast<void**>(&t->cos_), bytes) != cudaSuccess ||

@@ -13,16 +13,19 @@
 
 namespace moe::engine::gpu {
 
-// cos[p * head_dim / 2 + i] = cos(p * inv_freq[i]) * attention_factor, sin likewise, for
-// p < max_positions (RopeTable's values).
+// cos[p * rotary_dim / 2 + i] = cos(p * inv_freq[i]) * attention_factor, sin likewise, for
+// p < max_positions (RopeTable's values). rotary_dim = 2 * params.inv_freq.size(): head_dim, or
+// its first part under a partial_rotary_factor (the rest of each head is not rotated).
 struct RopeCosSin {
   int head_dim = 0;
+  int rotary_dim = 0;
   int max_positions = 0;
-  std::vector<float> cos;  // [max_positions, head_dim / 2]
-  std::vector<float> sin;  // [max_positions, head_dim / 2]
+  std::vector<float> cos;  // [max_positions, rotary_dim / 2]
+  std::vector<float> sin;  // [max_positions, rotary_dim / 2]
 };
 
-// InvalidArgument when head_dim is odd or does not match params, or max_positions <= 0.
+// InvalidArgument when head_dim is odd, params give no frequencies or more than head_dim / 2,
+// or max_positions <= 0.
 absl::StatusOr<RopeCosSin> BuildRopeCosSin(const RopeParams& params, int head_dim,
                                            int max_positions);
 
@@ -37,13 +40,15 @@ class DeviceRopeTable {
   DeviceRopeTable& operator=(const DeviceRopeTable&) = delete;
 
   int head_dim() const { return head_dim_; }
+  int rotary_dim() const { return rotary_dim_; }
   int max_positions() const { return max_positions_; }
-  const float* cos() const { return cos_; }  // device f32 [max_positions, head_dim / 2]
-  const float* sin() const { return sin_; }  // device f32 [max_positions, head_dim / 2]
+  const float* cos() const { return cos_; }  // device f32 [max_positions, rotary_dim / 2]
+  const float* sin() const { return sin_; }  // device f32 [max_positions, rotary_dim / 2]
 
  private:
   DeviceRopeTable() = default;
   int head_dim_ = 0;
+  int rotary_dim_ = 0;
   int max_positions_ = 0;
   float* cos_ = nullptr;
   float* sin_ = nullptr;

@@ -142,24 +142,44 @@ __global__ void QkNormRopeKernel(QkNormRopeArgs a) {
   }
   const int pos = a.cos != nullptr ? a.positions[t] : -1;
   const bool rotate = pos >= 0 && pos < a.max_positions;
-  const float* c = rotate ? a.cos + static_cast<int64_t>(pos) * half : nullptr;
-  const float* sn = rotate ? a.sin + static_cast<int64_t>(pos) * half : nullptr;
-  for (int i = lane; i < half; i += kWarp) {
-    float lo = x[i], hi = x[i + half];
-    if (w != nullptr) {
-      lo = w[i] * (lo * inv);
-      hi = w[i + half] * (hi * inv);
+  const int rh = (a.rotary_dim > 0 ? a.rotary_dim : d) / 2;
+  if (rh == half) {
+    // Full rotary: each lane normalises and rotates its own pairs.
+    const float* c = rotate ? a.cos + static_cast<int64_t>(pos) * half : nullptr;
+    const float* sn = rotate ? a.sin + static_cast<int64_t>(pos) * half : nullptr;
+    for (int i = lane; i < half; i += kWarp) {
+      float lo = x[i], hi = x[i + half];
+      if (w != nullptr) {
+        lo = w[i] * (lo * inv);
+        hi = w[i + half] * (hi * inv);
+      }
+      if (rotate) {
+        // Separately rounded products, as the CPU's RopeTable::Apply.
+        const float ci = c[i], si = sn[i];
+        const float nlo = __fsub_rn(__fmul_rn(lo, ci), __fmul_rn(hi, si));
+        const float nhi = __fadd_rn(__fmul_rn(hi, ci), __fmul_rn(lo, si));
+        lo = nlo;
+        hi = nhi;
+      }
+      x[i] = lo;
+      x[i + half] = hi;
     }
-    if (rotate) {
-      // Separately rounded products, as the CPU's RopeTable::Apply.
-      const float ci = c[i], si = sn[i];
-      const float nlo = __fsub_rn(__fmul_rn(lo, ci), __fmul_rn(hi, si));
-      const float nhi = __fadd_rn(__fmul_rn(hi, ci), __fmul_rn(lo, si));
-      lo = nlo;
-      hi = nhi;
+    return;
+  }
+  // Partial rotary: normalise the whole head, then rotate the pairs (i, i + rh) of its first
+  // 2 rh dimensions (other lanes' elements: the warp synchronises between the two).
+  if (w != nullptr) {
+    for (int i = lane; i < d; i += kWarp) x[i] = w[i] * (x[i] * inv);
+    __syncwarp();
+  }
+  if (rotate) {
+    const float* c = a.cos + static_cast<int64_t>(pos) * rh;
+    const float* sn = a.sin + static_cast<int64_t>(pos) * rh;
+    for (int i = lane; i < rh; i += kWarp) {
+      const float lo = x[i], hi = x[i + rh], ci = c[i], si = sn[i];
+      x[i] = __fsub_rn(__fmul_rn(lo, ci), __fmul_rn(hi, si));
+      x[i + rh] = __fadd_rn(__fmul_rn(hi, ci), __fmul_rn(lo, si));
     }
-    x[i] = lo;
-    x[i + half] = hi;
   }
 }
 
@@ -331,6 +351,44 @@ __global__ void F32ToBf16Kernel(const float* __restrict__ x, int64_t n,
   }
 }
 
+__global__ void SplitGatedQueryKernel(const float* __restrict__ qg, int64_t n, int hd,
+                                      float* __restrict__ q, float* __restrict__ gate) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t head = j / hd, i = j % hd;
+    q[j] = qg[head * 2 * hd + i];
+    gate[j] = qg[head * 2 * hd + hd + i];
+  }
+}
+
+__global__ void SigmoidGateToBf16Kernel(const float* __restrict__ x,
+                                        const float* __restrict__ gate, int64_t n,
+                                        uint16_t* __restrict__ out) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[j] = FloatToBf16(x[j] * (1.0f / (1.0f + expf(-gate[j]))));
+  }
+}
+
+__device__ float HashUniform(uint64_t seed, int64_t i) {
+  // splitmix64 of (seed, i): 24 high bits as a fraction in [0, 1).
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(i) + 0x632BE59BD9B4E019ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
+}
+
+__global__ void FillUniformKernel(float* __restrict__ f32, uint16_t* __restrict__ bf16, int64_t n,
+                                  float lo, float span, uint64_t seed) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float v = lo + span * HashUniform(seed, j);
+    if (f32 != nullptr) f32[j] = v;
+    if (bf16 != nullptr) bf16[j] = FloatToBf16(v);
+  }
+}
+
 __global__ void Bf16ToF32Kernel(const uint16_t* __restrict__ x, int64_t n,
                                 float* __restrict__ out) {
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
@@ -377,6 +435,10 @@ absl::Status LaunchQkNormRope(const QkNormRopeArgs& a, CUstream_st* stream) {
   }
   if (a.cos != nullptr && (a.sin == nullptr || a.positions == nullptr || a.max_positions <= 0)) {
     return absl::InvalidArgumentError("qk_norm_rope: RoPE needs cos, sin, positions and a size");
+  }
+  if (a.rotary_dim < 0 || a.rotary_dim % 2 != 0 || a.rotary_dim > a.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("qk_norm_rope: rotary_dim ", a.rotary_dim,
+                                                   " (even, at most head_dim ", a.head_dim, ")"));
   }
   const int64_t rows =
       static_cast<int64_t>(a.num_tokens) * (static_cast<int64_t>(a.num_q_heads) + a.num_kv_heads);
@@ -479,6 +541,46 @@ absl::Status LaunchBf16ToF32(const uint16_t* x, int64_t n, float* out, CUstream_
   Bf16ToF32Kernel<<<ElementwiseBlocks(n, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
       x, n, out);
   return LaunchStatus("Bf16ToF32Kernel");
+}
+
+absl::Status LaunchSplitGatedQuery(const float* qg, int num_tokens, int num_heads, int head_dim,
+                                   float* q, float* gate, CUstream_st* stream) {
+  if (num_tokens < 0 || num_heads <= 0 || head_dim <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("split_gated_query: tokens ", num_tokens,
+                                                   ", heads ", num_heads, ", head_dim ", head_dim));
+  }
+  const int64_t n = static_cast<int64_t>(num_tokens) * num_heads * head_dim;
+  if (n == 0) return absl::OkStatus();
+  SplitGatedQueryKernel<<<ElementwiseBlocks(n, kElementwiseThreads), kElementwiseThreads, 0,
+                          stream>>>(qg, n, head_dim, q, gate);
+  return LaunchStatus("SplitGatedQueryKernel");
+}
+
+absl::Status LaunchSigmoidGateToBf16(const float* x, const float* gate, int64_t n, uint16_t* out,
+                                     CUstream_st* stream) {
+  if (n < 0) return absl::InvalidArgumentError(absl::StrCat("sigmoid_gate: n ", n));
+  if (n == 0) return absl::OkStatus();
+  SigmoidGateToBf16Kernel<<<ElementwiseBlocks(n, kElementwiseThreads), kElementwiseThreads, 0,
+                            stream>>>(x, gate, n, out);
+  return LaunchStatus("SigmoidGateToBf16Kernel");
+}
+
+absl::Status LaunchFillUniformF32(float* x, int64_t n, float lo, float hi, uint64_t seed,
+                                  CUstream_st* stream) {
+  if (n < 0 || !(hi >= lo)) return absl::InvalidArgumentError("fill_uniform: n < 0 or hi < lo");
+  if (n == 0) return absl::OkStatus();
+  FillUniformKernel<<<ElementwiseBlocks(n, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
+      x, nullptr, n, lo, hi - lo, seed);
+  return LaunchStatus("FillUniformKernel");
+}
+
+absl::Status LaunchFillUniformBf16(uint16_t* x, int64_t n, float lo, float hi, uint64_t seed,
+                                   CUstream_st* stream) {
+  if (n < 0 || !(hi >= lo)) return absl::InvalidArgumentError("fill_uniform: n < 0 or hi < lo");
+  if (n == 0) return absl::OkStatus();
+  FillUniformKernel<<<ElementwiseBlocks(n, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
+      nullptr, x, n, lo, hi - lo, seed);
+  return LaunchStatus("FillUniformKernel");
 }
 
 }  // namespace moe::engine::gpu

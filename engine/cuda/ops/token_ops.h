@@ -1,7 +1,9 @@
 // Per-token operators of the GPU engine's dense path, each one kernel launch on a given stream:
-// embedding gather, RMSNorm, Qwen3's per-head q/k RMSNorm with rotate-half RoPE, SiLU(gate)*up,
-// residual and bias adds, the router's softmax top-k, the sigmoid-gated shared-expert combine,
-// greedy argmax over the vocabulary and f32 <-> bf16 casts.
+// embedding gather, RMSNorm, Qwen3's per-head q/k RMSNorm with rotate-half RoPE (full or
+// partial), SiLU(gate)*up, residual and bias adds, the router's softmax top-k, the sigmoid-gated
+// shared-expert combine, greedy argmax over the vocabulary, f32 <-> bf16 casts, the gated
+// attention's query split and output gate, and seeded uniform fills (synthetic benchmark
+// contexts).
 //
 // They compute what the CPU engine computes (engine/model.cc, engine/kernels.h, engine/rope.h,
 // engine/sampler.cc), in f32, with the same formulas and tie-breaking; sums run in a different
@@ -38,9 +40,10 @@ absl::Status LaunchRmsNorm(const float* x, int rows, int n, const float* weight,
 
 // Attention's per-head steps on the q/k projections, in place, in the CPU engine's order:
 // optional RMSNorm of every head (Qwen3's q_norm/k_norm, one weight [head_dim] shared by the
-// heads), then optional rotate-half RoPE at each token's position:
-//   x[i] = x[i] * cos[p, i] - x[i + d/2] * sin[p, i],
-//   x[i + d/2] = x[i + d/2] * cos[p, i] + x[i] * sin[p, i]      (i < d/2),
+// heads), then optional rotate-half RoPE at each token's position over the first r = rotary_dim
+// dimensions (the rest pass through):
+//   x[i] = x[i] * cos[p, i] - x[i + r/2] * sin[p, i],
+//   x[i + r/2] = x[i + r/2] * cos[p, i] + x[i] * sin[p, i]      (i < r/2),
 // with the tables of rope_table.h (attention factor included), rounded as the CPU rounds them
 // (no fused multiply-add). A token whose position is outside [0, max_positions) is normalised
 // but not rotated (padding).
@@ -55,12 +58,13 @@ struct QkNormRopeArgs {
   const float* q_norm = nullptr;
   const float* k_norm = nullptr;
   float eps = 1e-6f;
-  // RoPE when cos is set: cos, sin f32 [max_positions, head_dim / 2]; positions int32
-  // [num_tokens].
+  // RoPE when cos is set: cos, sin f32 [max_positions, rotary_dim / 2]; positions int32
+  // [num_tokens]. rotary_dim: even, at most head_dim; 0 means head_dim.
   const int32_t* positions = nullptr;
   const float* cos = nullptr;
   const float* sin = nullptr;
   int max_positions = 0;
+  int rotary_dim = 0;
 };
 inline constexpr int kMaxHeadDim = 512;
 absl::Status LaunchQkNormRope(const QkNormRopeArgs& args, CUstream_st* stream);
@@ -107,6 +111,24 @@ absl::Status LaunchArgmax(const float* logits, int num_tokens, int vocab, void* 
 // Casts of n values: f32 -> bf16 (round to nearest even, NaN kept quiet) and bf16 -> f32.
 absl::Status LaunchF32ToBf16(const float* x, int64_t n, uint16_t* out, CUstream_st* stream);
 absl::Status LaunchBf16ToF32(const uint16_t* x, int64_t n, float* out, CUstream_st* stream);
+
+// Gated attention (qwen3_5_moe's full-attention layers): q_proj gives per head head_dim query
+// values, then head_dim gate values. Splits qg f32 [num_tokens, num_heads, 2, head_dim] into
+// q and gate, f32 [num_tokens, num_heads, head_dim] each.
+absl::Status LaunchSplitGatedQuery(const float* qg, int num_tokens, int num_heads, int head_dim,
+                                   float* q, float* gate, CUstream_st* stream);
+
+// out[i] = bf16(x[i] * sigmoid(gate[i])) for i < n: the attention output under its gate, cast for
+// the o projection. x, gate: f32 [n]; out: bf16 [n].
+absl::Status LaunchSigmoidGateToBf16(const float* x, const float* gate, int64_t n, uint16_t* out,
+                                     CUstream_st* stream);
+
+// Benchmark fill: x[i] = lo + (hi - lo) * u(seed, i), u a hash of (seed, i) in [0, 1): the same
+// values for the same seed. The bf16 form rounds them to bf16.
+absl::Status LaunchFillUniformF32(float* x, int64_t n, float lo, float hi, uint64_t seed,
+                                  CUstream_st* stream);
+absl::Status LaunchFillUniformBf16(uint16_t* x, int64_t n, float lo, float hi, uint64_t seed,
+                                   CUstream_st* stream);
 
 }  // namespace moe::engine::gpu
 

@@ -44,4 +44,18 @@ absl::Status LaunchBf16ToF32(const uint16_t*, int64_t, float*, CUstream_st*) {
   return NoCuda("bf16_to_f32");
 }
 
+absl::Status LaunchSplitGatedQuery(const float*, int, int, int, float*, float*, CUstream_st*) {
+  return NoCuda("split_gated_query");
+}
+absl::Status LaunchSigmoidGateToBf16(const float*, const float*, int64_t, uint16_t*,
+                                     CUstream_st*) {
+  return NoCuda("sigmoid_gate");
+}
+absl::Status LaunchFillUniformF32(float*, int64_t, float, float, uint64_t, CUstream_st*) {
+  return NoCuda("fill_uniform");
+}
+absl::Status LaunchFillUniformBf16(uint16_t*, int64_t, float, float, uint64_t, CUstream_st*) {
+  return NoCuda("fill_uniform");
+}
+
 }  // namespace moe::engine::gpu

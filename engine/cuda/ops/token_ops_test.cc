@@ -130,9 +130,10 @@ TEST(TokenOpsTest, RmsNormMatchesFloat64AndTheCpuKernel) {
             absl::StatusCode::kInvalidArgument);
 }
 
-ModelConfig RopeConfig(bool yarn, int head_dim) {
+ModelConfig RopeConfig(bool yarn, int head_dim, double partial = 1.0) {
   ModelConfig c;
   c.head_dim = head_dim;
+  c.partial_rotary_factor = partial;
   c.rope_theta = 1000000.0;
   c.max_position_embeddings = yarn ? 131072 : 40960;
   if (yarn) {
@@ -144,11 +145,13 @@ ModelConfig RopeConfig(bool yarn, int head_dim) {
 }
 
 // The GPU's q/k path against the CPU engine's: RmsNormRows over heads, then RopeTable::Apply.
-void CheckQkNormRope(Rng& rng, bool yarn, bool norm, bool rope, int T, int nq, int nkv, int hd) {
+void CheckQkNormRope(Rng& rng, bool yarn, bool norm, bool rope, int T, int nq, int nkv, int hd,
+                     double partial = 1.0) {
   SCOPED_TRACE(::testing::Message() << "yarn " << yarn << " norm " << norm << " rope " << rope
-                                    << " T " << T << " heads " << nq << "/" << nkv << " hd " << hd);
+                                    << " T " << T << " heads " << nq << "/" << nkv << " hd " << hd
+                                    << " partial " << partial);
   const int max_pos = 32768;
-  auto params = ComputeRopeParams(RopeConfig(yarn, hd));
+  auto params = ComputeRopeParams(RopeConfig(yarn, hd, partial));
   ASSERT_TRUE(params.ok()) << params.status();
   auto host = BuildRopeCosSin(*params, hd, max_pos);
   ASSERT_TRUE(host.ok());
@@ -187,6 +190,7 @@ void CheckQkNormRope(Rng& rng, bool yarn, bool norm, bool rope, int T, int nq, i
     a.cos = (*table)->cos();
     a.sin = (*table)->sin();
     a.max_positions = max_pos;
+    a.rotary_dim = (*table)->rotary_dim();
   }
   ASSERT_TRUE(LaunchQkNormRope(a, nullptr).ok());
   const std::vector<float> gq = d_q.Download(), gk = d_k.Download();
@@ -226,6 +230,8 @@ TEST(TokenOpsTest, QkNormRopeMatchesTheCpuEngine) {
       CheckQkNormRope(rng, yarn, false, true, T, 3, 1, 40);   // half < 32 lanes
       CheckQkNormRope(rng, yarn, true, false, T, 5, 3, 256);
       CheckQkNormRope(rng, yarn, true, true, T, 4, 2, 96);
+      CheckQkNormRope(rng, yarn, true, true, T, 16, 2, 256, 0.25);  // Qwen3.6's partial rotary
+      CheckQkNormRope(rng, yarn, false, true, T, 4, 2, 16, 0.25);   // the tiny fixture's
     }
   }
 }
@@ -463,6 +469,51 @@ TEST(TokenOpsTest, CastsMatchCommonFormats) {
   for (size_t i = 0; i < x.size(); ++i) {
     ASSERT_EQ(n[i], common::FloatToBf16(x[i])) << "bits " << Bits(x[i]);
   }
+}
+
+TEST(TokenOpsTest, GatedQuerySplitAndSigmoidGateMatchTheCpuEngine) {
+  MOE_SKIP_WITHOUT_GPU();
+  Rng rng(SeedForTest());
+  const int T = 5, nh = 3, hd = 16;
+  const std::vector<float> qg = RandomF32(rng, static_cast<size_t>(T) * nh * 2 * hd, -4, 4);
+  DeviceArray<float> d_qg(qg), d_q(static_cast<size_t>(T) * nh * hd), d_g(d_q.size());
+  ASSERT_TRUE(LaunchSplitGatedQuery(d_qg.get(), T, nh, hd, d_q.get(), d_g.get(), nullptr).ok());
+  const std::vector<float> q = d_q.Download(), g = d_g.Download();
+  for (int r = 0; r < T * nh; ++r) {
+    for (int i = 0; i < hd; ++i) {
+      ASSERT_EQ(Bits(q[r * hd + i]), Bits(qg[r * 2 * hd + i])) << r << "," << i;
+      ASSERT_EQ(Bits(g[r * hd + i]), Bits(qg[r * 2 * hd + hd + i])) << r << "," << i;
+    }
+  }
+  // The CPU engine: attn * (1 / (1 + exp(-gate))) in f32, then the o projection's bf16 input.
+  const std::vector<float> x = RandomF32(rng, q.size(), -4, 4);
+  DeviceArray<float> d_x(x);
+  DeviceArray<uint16_t> d_out(x.size());
+  ASSERT_TRUE(LaunchSigmoidGateToBf16(d_x.get(), d_g.get(), static_cast<int64_t>(x.size()),
+                                      d_out.get(), nullptr)
+                  .ok());
+  const std::vector<uint16_t> out = d_out.Download();
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double want = x[i] / (1.0 + std::exp(-static_cast<double>(g[i])));
+    ASSERT_NEAR(common::Bf16ToFloat(out[i]), want, 1e-2 * std::fabs(want) + 1e-6) << i;
+  }
+}
+
+TEST(TokenOpsTest, FillUniformIsInRangeAndRepeatable) {
+  MOE_SKIP_WITHOUT_GPU();
+  const int64_t n = 100000;
+  DeviceArray<float> a(n), b(n);
+  ASSERT_TRUE(LaunchFillUniformF32(a.get(), n, -0.5f, 0.25f, 7, nullptr).ok());
+  ASSERT_TRUE(LaunchFillUniformF32(b.get(), n, -0.5f, 0.25f, 7, nullptr).ok());
+  const std::vector<float> va = a.Download(), vb = b.Download();
+  double mean = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(Bits(va[i]), Bits(vb[i])) << i;
+    ASSERT_GE(va[i], -0.5f);
+    ASSERT_LT(va[i], 0.25f);
+    mean += va[i];
+  }
+  EXPECT_NEAR(mean / n, -0.125, 0.01);
 }
 
 }  // namespace
