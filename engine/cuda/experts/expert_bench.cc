@@ -6,10 +6,12 @@
 // L2 (60 MB on an H200) cannot hold the weights. Per case: median time of single calls on a
 // stream (CUDA events around each, after warm-ups), and the time per call of a captured graph of
 // one call per route set (median over replays), which is how decode runs. Bandwidth counts the
-// distinct experts' bytes a call must read (each slot once), against D2D bandwidth as
-// (bytes read + bytes written) / time of one large cudaMemcpyAsync.
+// distinct experts' bytes a call must read (each slot once, every bank of the format: codes,
+// fp8_block's block scales, nvfp4's global scales), against D2D bandwidth as
+// (bytes read + bytes written) / time of one large cudaMemcpyAsync, and against the HBM's peak
+// (2 x memory clock x bus width, from the device's attributes).
 //
-//   expert_bench --formats=bf16,q4_0 --tokens=1,8,32 --json=/tmp/experts.json
+//   expert_bench --formats=bf16,q4_0,fp8_block,nvfp4 --tokens=1,8,32 --json=/tmp/experts.json
 //
 // Shape defaults to Qwen3-30B-A3B (H 2048, I 768, 128 experts, top-8).
 #include <algorithm>
@@ -32,7 +34,8 @@
 #include <cuda_runtime.h>
 #endif
 
-ABSL_FLAG(std::string, formats, "bf16,q4_0", "weight formats");
+ABSL_FLAG(std::string, formats, "bf16,q4_0,fp8_block,nvfp4",
+          "weight formats (bf16, q4_0, fp8_block, nvfp4)");
 ABSL_FLAG(std::string, tokens, "1,8,32", "tokens per call (T)");
 ABSL_FLAG(std::string, grouping, "auto", "auto, per_route, by_slot, or all");
 ABSL_FLAG(int, hidden, 2048, "H");
@@ -138,11 +141,16 @@ int Main() {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const double d2d = MeasureD2D(stream);
-  std::printf("device %s, %d SMs, L2 %.0f MB; D2D copy (read + write) %.0f GB/s\n", prop.name,
-              prop.multiProcessorCount, prop.l2CacheSize / 1e6, d2d / 1e9);
+  int mem_khz = 0, bus_bits = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&mem_khz, cudaDevAttrMemoryClockRate, 0));
+  CHECK_CUDA(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, 0));
+  const double peak = 2.0 * mem_khz * 1e3 * bus_bits / 8;
+  std::printf(
+      "device %s, %d SMs, L2 %.0f MB; D2D copy (read + write) %.0f GB/s; HBM peak %.0f GB/s\n",
+      prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6, d2d / 1e9, peak / 1e9);
   std::printf("H=%d I=%d E=%d k=%d, %d slot sets, %d route sets\n\n", H, I, E, k, sets, R);
-  std::printf("%-6s %4s %-9s %10s %10s %10s %10s %8s\n", "format", "T", "grouping", "eager_us",
-              "graph_us", "MB/call", "GB/s", "of_D2D");
+  std::printf("%-9s %4s %-9s %10s %10s %10s %10s %8s %8s\n", "format", "T", "grouping", "eager_us",
+              "graph_us", "MB/call", "GB/s", "of_D2D", "of_peak");
   FILE* json = nullptr;
   if (!absl::GetFlag(FLAGS_json).empty()) {
     json = std::fopen(absl::GetFlag(FLAGS_json).c_str(), "w");
@@ -166,16 +174,23 @@ int Main() {
     CHECK_OK(pool.status());
     absl::StatusOr<SlotBanks> banks = SlotBanksFromPool(**pool, *format, H, I);
     CHECK_OK(banks.status());
+    // Every bank of the format (MakeSlotPool's bank b is experts->banks[b]).
+    const moe_cache::BankLayout& layout = (*pool)->layout();
     for (int s = kDistinct; s < sets * E; ++s) {
-      // MakeSlotPool's banks: 0 is gate_up, 1 is down.
-      CHECK_CUDA(cudaMemcpy((*pool)->bank(0) + s * banks->gate_up_pitch,
-                            banks->gate_up + (s % kDistinct) * banks->gate_up_pitch,
-                            experts->gate_up_bytes, cudaMemcpyDeviceToDevice));
-      CHECK_CUDA(cudaMemcpy((*pool)->bank(1) + s * banks->down_pitch,
-                            banks->down + (s % kDistinct) * banks->down_pitch,
-                            experts->down_bytes, cudaMemcpyDeviceToDevice));
+      for (int b = 0; b < layout.num_banks(); ++b) {
+        const uint64_t pitch = layout.bank(b).pitch;
+        CHECK_CUDA(cudaMemcpy((*pool)->bank(b) + s * pitch,
+                              (*pool)->bank(b) + (s % kDistinct) * pitch, layout.bank(b).bytes,
+                              cudaMemcpyDeviceToDevice));
+      }
     }
-    const double expert_bytes = experts->gate_up_bytes + experts->down_bytes;
+    const double expert_bytes = static_cast<double>(experts->BytesPerExpert());
+    std::printf("%s: %.0f bytes per expert (", std::string(fname).c_str(), expert_bytes);
+    for (size_t b = 0; b < experts->banks.size(); ++b) {
+      std::printf("%s%s %llu", b ? ", " : "", experts->banks[b].name.c_str(),
+                  static_cast<unsigned long long>(experts->banks[b].bytes));
+    }
+    std::printf(")\n");
     absl::StatusOr<std::unique_ptr<ExpertWorkspace>> ws =
         ExpertWorkspace::Create({max_t, k, H, I, E});
     CHECK_OK(ws.status());
@@ -262,18 +277,19 @@ int Main() {
         for (cudaEvent_t& e : ev) CHECK_CUDA(cudaEventDestroy(e));
 
         const double gbs = res.bytes / res.graph_s / 1e9;
-        std::printf("%-6s %4d %-9s %10.1f %10.1f %10.1f %10.0f %7.1f%%\n",
-                    std::string(fname).c_str(), T, Name(g), res.eager_s * 1e6,
-                    res.graph_s * 1e6, res.bytes / 1e6, gbs, 100.0 * gbs * 1e9 / d2d);
+        std::printf("%-9s %4d %-9s %10.1f %10.1f %10.1f %10.0f %7.1f%% %7.1f%%\n",
+                    std::string(fname).c_str(), T, Name(g), res.eager_s * 1e6, res.graph_s * 1e6,
+                    res.bytes / 1e6, gbs, 100.0 * gbs * 1e9 / d2d, 100.0 * gbs * 1e9 / peak);
         if (json) {
           std::fprintf(json,
                        "{\"format\":\"%s\",\"tokens\":%d,\"grouping\":\"%s\",\"hidden\":%d,"
                        "\"intermediate\":%d,\"experts\":%d,\"top_k\":%d,\"eager_us\":%.2f,"
-                       "\"graph_us\":%.2f,\"distinct_bytes\":%.0f,\"gbps\":%.1f,"
-                       "\"d2d_gbps\":%.1f,\"fraction_of_d2d\":%.4f,\"device\":\"%s\"}\n",
+                       "\"graph_us\":%.2f,\"bytes_per_expert\":%.0f,\"distinct_bytes\":%.0f,"
+                       "\"gbps\":%.1f,\"d2d_gbps\":%.1f,\"fraction_of_d2d\":%.4f,"
+                       "\"hbm_peak_gbps\":%.1f,\"fraction_of_peak\":%.4f,\"device\":\"%s\"}\n",
                        std::string(fname).c_str(), T, Name(g), H, I, E, k, res.eager_s * 1e6,
-                       res.graph_s * 1e6, res.bytes, gbs, d2d / 1e9, gbs * 1e9 / d2d,
-                       prop.name);
+                       res.graph_s * 1e6, expert_bytes, res.bytes, gbs, d2d / 1e9, gbs * 1e9 / d2d,
+                       peak / 1e9, gbs * 1e9 / peak, prop.name);
         }
       }
       for (int32_t* p : slot_dev) CHECK_CUDA(cudaFree(p));

@@ -1,13 +1,18 @@
-// Where a warp lane finds its q4_0 weights in one of cpu_moe's panels (cpu_moe::Layout::kPanels,
-// see cpu_moe.h): shared by the GPU kernels and a CPU test that rebuilds whole matrices from
-// PackPanels' bytes with it.
+// Where a warp lane finds its q4_0 or nvfp4 weights in one of cpu_moe's panels
+// (cpu_moe::Layout::kPanels, see cpu_moe.h), and how a lane turns nvfp4's e2m1 codes into fp16
+// bits: shared by the GPU kernels and a CPU test that rebuilds whole matrices from PackPanels'
+// bytes with it.
 //
 // A panel holds 16 rows. Per 32-column block b: 256 bytes of codes (byte 64v + 4j + i: row j's
 // column 32b + 8v + i in the low nibble, 32b + 8v + 4 + i in the high one) and the 16 rows' fp16
 // scales (32 bytes), in groups of two blocks (512 bytes of codes, then 64 of scales; a lone last
 // block: 256, then 32). A kernel step is one group. Lane l takes block 2s + (l >> 4),
 // v = (l >> 2) & 3 and rows 4q .. 4q+3 with q = l & 3: 16 bytes of codes (word r is row 4q + r)
-// and 8 bytes of scales (fp16 r is row 4q + r). Plain header, usable from host and device code.
+// and 8 bytes of scales (fp16 r is row 4q + r). nvfp4 panels have the same codes (e2m1 codes in
+// the nibbles) and groups; their 32 bytes of scales per block are the 16 rows' e4m3 scales of
+// columns [32b, 32b + 16), then of [32b + 16, 32b + 32), so a lane's 8 columns share one scale
+// per row and it reads 4 bytes (byte r is row 4q + r). Plain header, usable from host and device
+// code.
 #ifndef MOE_ENGINE_CUDA_EXPERTS_Q4_PANELS_H_
 #define MOE_ENGINE_CUDA_EXPERTS_Q4_PANELS_H_
 
@@ -47,6 +52,24 @@ MOE_Q4_HD uint32_t ScalesOffset(int cols, int s, int lane) {
   const int blocks = left < 2 ? left : 2;  // blocks in this group
   return static_cast<uint32_t>(s) * kGroupBytes + blocks * 256 + (lane >> 4) * 32 +
          (lane & 3) * 8;
+}
+
+// nvfp4: the lane's 4 bytes of e4m3 scales at step s (their 16 columns hold the lane's 8).
+MOE_Q4_HD uint32_t Nvfp4ScalesOffset(int cols, int s, int lane) {
+  const int left = cols / 32 - 2 * s;
+  const int blocks = left < 2 ? left : 2;
+  return static_cast<uint32_t>(s) * kGroupBytes + blocks * 256 + (lane >> 4) * 32 +
+         ((lane >> 3) & 1) * 16 + (lane & 3) * 4;
+}
+
+// Two e2m1 codes of a word of codes as fp16x2 bits: the nibbles at bits [shift, shift + 4)
+// (low half) and [shift + 16, shift + 20) (high half), each as sign << 15 | (exponent and
+// mantissa) << 9, which is the code's value times 2^-14 exactly (e2m1's one subnormal, 0.5,
+// becomes the fp16 subnormal 2^-15). Shifts 0, 8, 4 and 12 give the columns (0, 2), (1, 3),
+// (4, 6) and (5, 7) of the word's 8 (see above: byte i holds columns i and 4 + i).
+MOE_Q4_HD uint32_t E2m1PairAsHalf2Bits(uint32_t word, int shift) {
+  const uint32_t v = word >> shift;
+  return ((v & 0x00070007u) << 9) | ((v & 0x00080008u) << 12);
 }
 
 }  // namespace moe::engine::gpu::q4_panels

@@ -1,14 +1,17 @@
 // Routed-expert kernels and ExpertWorkspace: see routed_experts.h.
 //
-// Every weight pass is a set of warps, each dotting a few "row blocks" of an expert (bf16: one
-// row; q4_0: one 16-row panel) with up to TC activation vectors staged in shared memory, over a
-// strided subset of "steps" along the contraction dimension (bf16: 256 columns, one 16-byte load
-// per lane; q4_0: one 64-column group of a panel, one 16-byte load of codes and one 8-byte load
-// of scales per lane). Each lane keeps f32 partial sums for its rows and tokens; a warp
+// Every weight pass is a set of warps, each dotting a few "row blocks" of an expert (bf16 and
+// fp8: one row; q4_0 and nvfp4: one 16-row panel) with up to TC activation vectors staged in
+// shared memory, over a strided subset of "steps" along the contraction dimension (bf16: 256
+// columns, one 16-byte load per lane; fp8: 512 columns, one 16-byte load of codes and one f32
+// block scale per lane; q4_0 and nvfp4: one 64-column group of a panel, one 16-byte load of
+// codes and one 8-byte (q4_0) or 4-byte (nvfp4) load of scales per lane). Each lane keeps f32
+// partial sums for its rows and tokens; a warp
 // reduction (and, where several warps split a row, a reduction through shared memory in warp
 // order) finishes them. All loads of a batch of U steps are issued before any arithmetic, so a
 // warp keeps U * (row blocks) 16-byte loads in flight.
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,6 +34,16 @@ struct Args {
   uint64_t gate_up_pitch;
   const uint8_t* down;
   uint64_t down_pitch;
+  const uint8_t* gate_up_scales;  // fp8_block
+  uint64_t gate_up_scales_pitch;
+  const uint8_t* down_scales;
+  uint64_t down_scales_pitch;
+  const uint8_t* gate_global;  // nvfp4
+  uint64_t gate_global_pitch;
+  const uint8_t* up_global;
+  uint64_t up_global_pitch;
+  const uint8_t* down_global;
+  uint64_t down_global_pitch;
   int32_t num_slots;
   int32_t hidden;  // H
   int32_t inter;   // I
@@ -40,7 +53,8 @@ struct Args {
   const int32_t* slot_ids;    // [T * k]
   const float* route_weights; // [T * k]
   float* y;                   // [T, H]
-  float* h;                   // [T * k, I]: w * silu(gate) * up per route
+  float* h;                   // [T * k, I]: w * silu(gate) * up per route (nvfp4: times
+                              // down's global scale)
   float* route_out;           // [T * k, H]: down(h) per route (kBySlot)
   const int32_t* order;       // [T * k] routes sorted by slot (kBySlot)
   const int32_t* group_slot;  // [groups]
@@ -74,11 +88,12 @@ __device__ __forceinline__ int RouteOf(const Args& a, const Group& gr, int i) {
   return a.by_slot ? a.order[gr.start + i] : gr.start;
 }
 
-// Activation vectors of length K in shared memory, as two planes of K/8 float4 each:
-// A[m] = v[8m .. 8m+3], B[m] = v[8m+4 .. 8m+7]. A warp's lanes then load the 8 columns that
-// match their 16 bytes of weights without bank conflicts. Vector i starts at float4 i * K/4.
+// Activation vectors of length K in shared memory, as P planes of K/(4P) float4 each:
+// plane p holds v[4Pm + 4p .. 4Pm + 4p + 3] at m. With P = 2 (A[m] = v[8m .. 8m+3],
+// B[m] = v[8m+4 .. 8m+7]) a warp's lanes load the 8 columns that match their weights, with P = 4
+// the 16 columns of fp8's 16 bytes, without bank conflicts. Vector i starts at float4 i * K/4.
 // Copies src + row(i) * K for i < n (row(i) < 0: left as it is, never read).
-template <class RowFn>
+template <int P, class RowFn>
 __device__ void StageVectors(float4* dst, const float* src, int K, int n, RowFn row) {
   const int q = K / 4;  // float4 per vector
   for (int e = threadIdx.x; e < n * q; e += blockDim.x) {
@@ -86,7 +101,7 @@ __device__ void StageVectors(float4* dst, const float* src, int K, int n, RowFn 
     const int r = row(i);
     if (r < 0) continue;
     const float4 v = reinterpret_cast<const float4*>(src + static_cast<int64_t>(r) * K)[c];
-    dst[i * q + (c & 1) * (K / 8) + (c >> 1)] = v;
+    dst[i * q + (c % P) * (q / P) + c / P] = v;
   }
 }
 
@@ -94,13 +109,32 @@ __device__ __forceinline__ float Silu(float g) { return g / (1.0f + expf(-g)); }
 
 // ---------------------------------------------------------------------------------------------
 // Formats. Each gives: kRowsPerBlock (rows of a row block), kLaneRows (rows whose partial sums
-// one lane holds), RowBlockBytes(K), Steps(K), Chunk (the 8-column chunk m a lane's step
-// covers, -1 past the end), Load, Fma (acc += weights . activations for the TC vectors), Reduce
-// (sum the lanes), Holds / RowOf (which lanes hold which rows after Reduce).
+// one lane holds), kPlanes (activation planes, see StageVectors), kGlobalScales (per-tensor
+// scales of gate, up and down), Row / RowAt (where row block rb of a slot's gate_up or down
+// matrix lives), Steps(K), Chunk (the chunk m of 4 * kPlanes columns a lane's step covers, -1
+// past the end), Load, Fma (acc += weights . activations for the TC vectors), Reduce (sum the
+// lanes), Holds / RowOf (which lanes hold which rows after Reduce).
 
-struct Bf16Format {
+// The slot's row of a gate_up (down = false) or down bank.
+__device__ __forceinline__ const uint8_t* SlotRow(const Args& a, bool down, int32_t slot) {
+  return down ? a.down + static_cast<uint64_t>(slot) * a.down_pitch
+              : a.gate_up + static_cast<uint64_t>(slot) * a.gate_up_pitch;
+}
+
+// A format whose rows are found by their bytes alone (scales, if any, inside).
+template <class F>
+struct PlainRows {
+  using Row = const uint8_t*;
+  __device__ static Row RowAt(const Args& a, bool down, int32_t slot, int rb, int K) {
+    return SlotRow(a, down, slot) + static_cast<uint64_t>(rb) * F::RowBlockBytes(K);
+  }
+};
+
+struct Bf16Format : PlainRows<Bf16Format> {
   static constexpr int kRowsPerBlock = 1;
   static constexpr int kLaneRows = 1;
+  static constexpr int kPlanes = 2;
+  static constexpr bool kGlobalScales = false;
   struct Frag {
     uint4 w;  // 8 bf16 of columns 8m .. 8m+7
   };
@@ -147,9 +181,11 @@ struct Bf16Format {
 
 // q4_0 in cpu_moe's panels: addressing in q4_panels.h. A step is one group of two 32-column
 // blocks; each lane reads one word of codes for each of 4 rows, and their 4 fp16 scales.
-struct Q4Format {
+struct Q4Format : PlainRows<Q4Format> {
   static constexpr int kRowsPerBlock = q4_panels::kRows;
   static constexpr int kLaneRows = 4;
+  static constexpr int kPlanes = 2;
+  static constexpr bool kGlobalScales = false;
   struct Frag {
     uint4 w;  // rows FirstRow .. +3, 8 codes each
     uint2 d;  // their fp16 scales
@@ -228,13 +264,176 @@ struct Q4Format {
   __device__ static int RowOf(int lane, int r) { return q4_panels::FirstRow(lane) + r; }
 };
 
+// Two e4m3 bytes (the low 16 bits of v) as floats, exactly: every e4m3 value is an fp16 value
+// (sm_89+: one cvt for both).
+__device__ __forceinline__ float2 E4m3x2ToFloat2(uint32_t v) {
+  const __half2_raw raw =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu), __NV_E4M3);
+  return __half22float2(__half2(raw));
+}
+
+// fp8_block: e4m3 rows (row-major) and f32 scales per 128x128 block in a bank of their own.
+// A step is 512 columns: lane l reads 16 codes (columns 16m .. 16m+15, m = 32s + l, inside one
+// 128-column block) and that block's scale for the row; the 16 products are summed, then scaled.
+struct Fp8Format {
+  static constexpr int kRowsPerBlock = 1;
+  static constexpr int kLaneRows = 1;
+  static constexpr int kPlanes = 4;
+  static constexpr bool kGlobalScales = false;
+  struct Row {
+    const uint8_t* w;     // the row's K codes
+    const float* scales;  // its 128-row block's ceil(K / 128) scales
+  };
+  struct Frag {
+    uint4 w;  // 16 e4m3 of columns 16m .. 16m+15
+    float d;  // their block scale
+  };
+  __device__ static Row RowAt(const Args& a, bool down, int32_t slot, int rb, int K) {
+    const uint8_t* sc =
+        down ? a.down_scales + static_cast<uint64_t>(slot) * a.down_scales_pitch
+             : a.gate_up_scales + static_cast<uint64_t>(slot) * a.gate_up_scales_pitch;
+    const int scols = (K + 127) / 128;
+    return {SlotRow(a, down, slot) + static_cast<uint64_t>(rb) * K,
+            reinterpret_cast<const float*>(sc) + (rb / 128) * scols};
+  }
+  __device__ static int Steps(int K) { return (K / 16 + 31) / 32; }
+  __device__ static int Chunk(int K, int s, int lane) {
+    const int m = s * 32 + lane;
+    return m < K / 16 ? m : -1;
+  }
+  __device__ static Frag Load(const Row& row, int /*K*/, int s, int lane) {
+    const int m = s * 32 + lane;
+    return {__ldcs(reinterpret_cast<const uint4*>(row.w) + m), __ldg(row.scales + (m >> 3))};
+  }
+  template <int TC>
+  __device__ static void Fma(const Frag& f, const float4* act, int stride, int M, int m, int n,
+                             float (&acc)[1][TC]) {
+    float c[16];
+    const uint32_t words[4] = {f.w.x, f.w.y, f.w.z, f.w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 lo = E4m3x2ToFloat2(words[i]), hi = E4m3x2ToFloat2(words[i] >> 16);
+      c[4 * i] = lo.x;
+      c[4 * i + 1] = lo.y;
+      c[4 * i + 2] = hi.x;
+      c[4 * i + 3] = hi.y;
+    }
+#pragma unroll
+    for (int t = 0; t < TC; ++t) {
+      if (t < n) {
+        const float4* v = act + t * stride + m;
+        const float4 p[4] = {v[0], v[M], v[2 * M], v[3 * M]};
+        float s = c[0] * p[0].x;
+        s = fmaf(c[1], p[0].y, s);
+        s = fmaf(c[2], p[0].z, s);
+        s = fmaf(c[3], p[0].w, s);
+#pragma unroll
+        for (int q = 1; q < 4; ++q) {
+          s = fmaf(c[4 * q], p[q].x, s);
+          s = fmaf(c[4 * q + 1], p[q].y, s);
+          s = fmaf(c[4 * q + 2], p[q].z, s);
+          s = fmaf(c[4 * q + 3], p[q].w, s);
+        }
+        acc[0][t] = fmaf(f.d, s, acc[0][t]);
+      }
+    }
+  }
+  __device__ static float Reduce(float v) { return Bf16Format::Reduce(v); }
+  __device__ static bool Holds(int lane) { return lane == 0; }
+  __device__ static int RowOf(int /*lane*/, int /*r*/) { return 0; }
+};
+
+// nvfp4 in cpu_moe's panels: q4_0's addressing (q4_panels.h) with e2m1 codes and, per lane and
+// step, 4 e4m3 scales (one per row: the lane's 8 columns lie in one 16-column scale group).
+// Codes become fp16 bits of value * 2^-14 (q4_panels::E2m1PairAsHalf2Bits), times 2^14 in fp16
+// (exact: fp16 keeps its subnormals), then f32. The per-tensor global scales are applied by the
+// gate_up pass (GateUpKernel).
+struct Nvfp4Format : PlainRows<Nvfp4Format> {
+  static constexpr int kRowsPerBlock = q4_panels::kRows;
+  static constexpr int kLaneRows = 4;
+  static constexpr int kPlanes = 2;
+  static constexpr bool kGlobalScales = true;
+  struct Frag {
+    uint4 w;     // rows FirstRow .. +3, 8 codes each
+    uint32_t d;  // their e4m3 scales
+  };
+  __device__ static uint64_t RowBlockBytes(int K) { return q4_panels::PanelBytes(K); }
+  __device__ static int Steps(int K) { return q4_panels::Steps(K); }
+  __device__ static int Chunk(int K, int s, int lane) { return Q4Format::Chunk(K, s, lane); }
+  __device__ static Frag Load(const uint8_t* panel, int K, int s, int lane) {
+    Frag f;
+    f.w = __ldcs(reinterpret_cast<const uint4*>(panel + q4_panels::CodesOffset(s, lane)));
+    f.d = __ldcs(
+        reinterpret_cast<const unsigned int*>(panel + q4_panels::Nvfp4ScalesOffset(K, s, lane)));
+    return f;
+  }
+  __device__ static float2 Pair(uint32_t word, int shift) {
+    const uint32_t bits = q4_panels::E2m1PairAsHalf2Bits(word, shift);
+    __half2 h;
+    memcpy(&h, &bits, 4);
+    return __half22float2(__hmul2(h, __float2half2_rn(16384.0f)));
+  }
+  // The 8 codes of one row's word as floats in column order.
+  __device__ static void Decode(uint32_t word, float (&c)[8]) {
+    float2 p = Pair(word, 0);
+    c[0] = p.x;
+    c[2] = p.y;
+    p = Pair(word, 8);
+    c[1] = p.x;
+    c[3] = p.y;
+    p = Pair(word, 4);
+    c[4] = p.x;
+    c[6] = p.y;
+    p = Pair(word, 12);
+    c[5] = p.x;
+    c[7] = p.y;
+  }
+  template <int TC>
+  __device__ static void Fma(const Frag& f, const float4* act, int stride, int M, int m, int n,
+                             float (&acc)[4][TC]) {
+    const float2 s01 = E4m3x2ToFloat2(f.d), s23 = E4m3x2ToFloat2(f.d >> 16);
+    const float d[4] = {s01.x, s01.y, s23.x, s23.y};
+    const uint32_t words[4] = {f.w.x, f.w.y, f.w.z, f.w.w};
+    float4 A[TC], B[TC];
+#pragma unroll
+    for (int t = 0; t < TC; ++t) {
+      if (t < n) {
+        A[t] = act[t * stride + m];
+        B[t] = act[t * stride + M + m];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      float c[8];
+      Decode(words[r], c);
+#pragma unroll
+      for (int t = 0; t < TC; ++t) {
+        if (t < n) {
+          float s = c[0] * A[t].x;
+          s = fmaf(c[1], A[t].y, s);
+          s = fmaf(c[2], A[t].z, s);
+          s = fmaf(c[3], A[t].w, s);
+          s = fmaf(c[4], B[t].x, s);
+          s = fmaf(c[5], B[t].y, s);
+          s = fmaf(c[6], B[t].z, s);
+          s = fmaf(c[7], B[t].w, s);
+          acc[r][t] = fmaf(d[r], s, acc[r][t]);
+        }
+      }
+    }
+  }
+  __device__ static float Reduce(float v) { return Q4Format::Reduce(v); }
+  __device__ static bool Holds(int lane) { return lane < 4; }
+  __device__ static int RowOf(int lane, int r) { return q4_panels::FirstRow(lane) + r; }
+};
+
 // acc[r] += row block r . activations over steps s_begin, s_begin + s_stride, ... (U per batch).
 template <class F, int NR, int TC, int U>
-__device__ __forceinline__ void WarpDot(const uint8_t* const (&rows)[NR], int K, int s_begin,
+__device__ __forceinline__ void WarpDot(const typename F::Row (&rows)[NR], int K, int s_begin,
                                         int s_stride, const float4* act, int stride, int n,
                                         float (&acc)[NR][F::kLaneRows][TC]) {
   const int lane = threadIdx.x & 31;
-  const int S = F::Steps(K), M = K / 8;
+  const int S = F::Steps(K), M = K / (4 * F::kPlanes);
   for (int s0 = s_begin; s0 < S; s0 += U * s_stride) {
     typename F::Frag f[U][NR];
     int m[U];
@@ -269,7 +468,8 @@ __device__ __forceinline__ void WarpReduce(float (&acc)[NR][F::kLaneRows][TC]) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Pass 1: h[route, i] = w * silu(gate_i . x) * (up_i . x).
+// Pass 1: h[route, i] = w * silu(gate_i . x) * (up_i . x); nvfp4:
+// (w * down_global) * silu(gate_global * (gate_i . x)) * (up_global * (up_i . x)).
 // Grid (ceil(I / (UNITS * rows per block)), groups); block UNITS * KS warps. Warp w dots gate row
 // block blockIdx.x * UNITS + w / KS and the matching up row block over steps w % KS, + KS, ...
 // Shared: x for TC tokens, then KS > 1's partial sums [KS][UNITS][2][rows per block][TC].
@@ -291,15 +491,14 @@ __global__ void __launch_bounds__(32 * UNITS * KS) GateUpKernel(Args a) {
   for (int g = blockIdx.y; g < num_groups; g += gridDim.y) {
     const Group gr = GetGroup(a, g);
     if (gr.slot < 0) continue;  // the same for the whole block
-    const uint8_t* expert = a.gate_up + static_cast<uint64_t>(gr.slot) * a.gate_up_pitch;
-    const uint8_t* const rows[2] = {expert + rb * F::RowBlockBytes(H),
-                                    expert + (rb + nrb) * F::RowBlockBytes(H)};
+    const typename F::Row rows[2] = {F::RowAt(a, false, gr.slot, rb, H),
+                                     F::RowAt(a, false, gr.slot, rb + nrb, H)};
     for (int c0 = 0; c0 < gr.count; c0 += TC) {
       const int n = min(TC, gr.count - c0);
       __syncthreads();  // the previous chunk is done with routes, xs and red
       if (threadIdx.x < n) routes[threadIdx.x] = RouteOf(a, gr, c0 + threadIdx.x);
       __syncthreads();
-      StageVectors(xs, a.x, H, n, [&](int i) { return routes[i] / a.top_k; });
+      StageVectors<F::kPlanes>(xs, a.x, H, n, [&](int i) { return routes[i] / a.top_k; });
       __syncthreads();
       float acc[2][F::kLaneRows][TC] = {};
       WarpDot<F, 2, TC, U>(rows, H, ks, KS, xs, H / 4, n, acc);
@@ -337,6 +536,13 @@ __global__ void __launch_bounds__(32 * UNITS * KS) GateUpKernel(Args a) {
         }
       }
       if (active && ks == 0 && F::Holds(lane)) {
+        float gate_g = 1.0f, up_g = 1.0f, down_g = 1.0f;
+        if constexpr (F::kGlobalScales) {
+          const uint64_t s = static_cast<uint64_t>(gr.slot);
+          gate_g = __ldg(reinterpret_cast<const float*>(a.gate_global + s * a.gate_global_pitch));
+          up_g = __ldg(reinterpret_cast<const float*>(a.up_global + s * a.up_global_pitch));
+          down_g = __ldg(reinterpret_cast<const float*>(a.down_global + s * a.down_global_pitch));
+        }
 #pragma unroll
         for (int t = 0; t < TC; ++t) {
           if (t < n) {
@@ -345,8 +551,13 @@ __global__ void __launch_bounds__(32 * UNITS * KS) GateUpKernel(Args a) {
 #pragma unroll
             for (int lr = 0; lr < F::kLaneRows; ++lr) {
               const int row = rb * RPB + F::RowOf(lane, lr);
-              a.h[static_cast<int64_t>(route) * I + row] =
-                  w * Silu(acc[0][lr][t]) * acc[1][lr][t];
+              float hv;
+              if constexpr (F::kGlobalScales) {
+                hv = (w * down_g) * Silu(gate_g * acc[0][lr][t]) * (up_g * acc[1][lr][t]);
+              } else {
+                hv = w * Silu(acc[0][lr][t]) * acc[1][lr][t];
+              }
+              a.h[static_cast<int64_t>(route) * I + row] = hv;
             }
           }
         }
@@ -371,16 +582,15 @@ __global__ void __launch_bounds__(32 * UNITS) DownBySlotKernel(Args a) {
   for (int g = blockIdx.y; g < num_groups; g += gridDim.y) {
     const Group gr = GetGroup(a, g);
     if (gr.slot < 0) continue;
-    const uint8_t* expert = a.down + static_cast<uint64_t>(gr.slot) * a.down_pitch;
-    const uint8_t* rows[NR];
+    typename F::Row rows[NR];
 #pragma unroll
-    for (int r = 0; r < NR; ++r) rows[r] = expert + min(rb0 + r, nrb - 1) * F::RowBlockBytes(I);
+    for (int r = 0; r < NR; ++r) rows[r] = F::RowAt(a, true, gr.slot, min(rb0 + r, nrb - 1), I);
     for (int c0 = 0; c0 < gr.count; c0 += TC) {
       const int n = min(TC, gr.count - c0);
       __syncthreads();
       if (threadIdx.x < n) routes[threadIdx.x] = RouteOf(a, gr, c0 + threadIdx.x);
       __syncthreads();
-      StageVectors(smem, a.h, I, n, [&](int i) { return routes[i]; });
+      StageVectors<F::kPlanes>(smem, a.h, I, n, [&](int i) { return routes[i]; });
       __syncthreads();
       float acc[NR][F::kLaneRows][TC] = {};
       WarpDot<F, NR, TC, U>(rows, I, 0, 1, smem, I / 4, n, acc);
@@ -424,10 +634,10 @@ __global__ void __launch_bounds__(32 * W) DownByTokenKernel(Args a) {
   bool any = false;
   for (int j = 0; j < k; ++j) any = any || slots[j] >= 0;
   if (!any) return;  // the whole block: y's row stays bit-identical
-  StageVectors(smem, a.h, I, k, [&](int j) { return slots[j] >= 0 ? t * k + j : -1; });
+  StageVectors<F::kPlanes>(smem, a.h, I, k, [&](int j) { return slots[j] >= 0 ? t * k + j : -1; });
   __syncthreads();
   float acc[NR][F::kLaneRows][1] = {};
-  const int S = F::Steps(I), M = I / 8, total = k * S;
+  const int S = F::Steps(I), M = I / (4 * F::kPlanes), total = k * S;
   for (int f0 = warp; f0 < total; f0 += U * W) {
     typename F::Frag f[U][NR];
     int m[U], j[U];
@@ -438,10 +648,9 @@ __global__ void __launch_bounds__(32 * W) DownByTokenKernel(Args a) {
       const int s = fu - j[u] * S;
       const int slot = fu < total ? slots[j[u]] : -1;
       m[u] = slot >= 0 ? F::Chunk(I, s, lane) : -1;
-      const uint8_t* expert = a.down + static_cast<uint64_t>(max(slot, 0)) * a.down_pitch;
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
-        f[u][r] = m[u] >= 0 ? F::Load(expert + (rb0 + r) * F::RowBlockBytes(I), I, s, lane)
+        f[u][r] = m[u] >= 0 ? F::Load(F::RowAt(a, true, max(slot, 0), rb0 + r, I), I, s, lane)
                             : typename F::Frag{};
       }
     }
@@ -580,8 +789,9 @@ __global__ void __launch_bounds__(1024) GroupRoutesKernel(Args a, int P, int32_t
 // ---------------------------------------------------------------------------------------------
 // Launch shapes per format.
 
-// Pass 1: bf16 8 warps, one gate/up row pair each, full rows; q4_0 one panel pair per block,
-// its 64-column groups split over 4 warps.
+// Pass 1: bf16 and fp8 8 warps, one gate/up row pair each, full rows; q4_0 and nvfp4 one panel
+// pair per block, its 64-column groups split over 4 warps. (fp8 and nvfp4 took the shapes of the
+// formats with the same row blocks; not tuned.)
 template <class F>
 struct GateUpShape;
 template <>
@@ -592,7 +802,13 @@ template <>
 struct GateUpShape<Q4Format> {
   static constexpr int kUnits = 1, kSplit = 4, kUnroll = 4;
 };
-// Pass 2 per slot: bf16 8 warps of 4 rows; q4_0 4 warps of 2 panels.
+template <>
+struct GateUpShape<Fp8Format> {
+  static constexpr int kUnits = 8, kSplit = 1, kUnroll = 4;  // H = 2048: 4 steps
+};
+template <>
+struct GateUpShape<Nvfp4Format> : GateUpShape<Q4Format> {};
+// Pass 2 per slot: bf16 and fp8 8 warps of 4 rows; q4_0 and nvfp4 4 warps of 2 panels.
 template <class F>
 struct DownBySlotShape;
 template <>
@@ -603,7 +819,13 @@ template <>
 struct DownBySlotShape<Q4Format> {
   static constexpr int kUnits = 4, kRowBlocks = 2, kUnroll = 4;
 };
-// Pass 2 per token: bf16 8 warps over 4 rows; q4_0 16 warps over one panel.
+template <>
+struct DownBySlotShape<Fp8Format> {
+  static constexpr int kUnits = 8, kRowBlocks = 4, kUnroll = 2;
+};
+template <>
+struct DownBySlotShape<Nvfp4Format> : DownBySlotShape<Q4Format> {};
+// Pass 2 per token: bf16 and fp8 8 warps over 4 rows; q4_0 and nvfp4 16 warps over one panel.
 template <class F>
 struct DownByTokenShape;
 template <>
@@ -614,6 +836,10 @@ template <>
 struct DownByTokenShape<Q4Format> {
   static constexpr int kWarps = 16, kRowBlocks = 1, kUnroll = 6;
 };
+template <>
+struct DownByTokenShape<Fp8Format> : DownByTokenShape<Bf16Format> {};
+template <>
+struct DownByTokenShape<Nvfp4Format> : DownByTokenShape<Q4Format> {};
 
 constexpr int kChunks[] = {1, 4, 8};  // token chunks (TC) compiled
 
@@ -752,7 +978,7 @@ absl::StatusOr<std::unique_ptr<ExpertWorkspace>> ExpertWorkspace::Create(
                      " max_groups=", o.max_groups, " (need T, k > 0, k <= ", kMaxTopK,
                      ", T * k <= ", kMaxRoutes, ")"));
   }
-  // Shape checks are the bank helpers' (bf16 stands for both formats: same rules).
+  // Shape checks are the bank helpers' (bf16 stands for every format: same rules).
   RETURN_IF_ERROR(GateUpBankBytes(WeightFormat::kBf16, o.hidden, o.intermediate).status());
   int device = 0, limit = 0;
   CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
@@ -762,10 +988,13 @@ absl::StatusOr<std::unique_ptr<ExpertWorkspace>> ExpertWorkspace::Create(
   const int H = o.hidden, I = o.intermediate, k = o.top_k;
   auto fits = [&](int tc) {
     return std::max({GateUpSmem<Bf16Format>(H, tc), GateUpSmem<Q4Format>(H, tc),
+                     GateUpSmem<Fp8Format>(H, tc), GateUpSmem<Nvfp4Format>(H, tc),
                      DownBySlotSmem(I, tc)}) <= static_cast<uint64_t>(limit);
   };
-  if (!fits(1) || DownByTokenSmem<Bf16Format>(I, k) > static_cast<uint64_t>(limit) ||
-      DownByTokenSmem<Q4Format>(I, k) > static_cast<uint64_t>(limit) ||
+  const uint64_t by_token =
+      std::max({DownByTokenSmem<Bf16Format>(I, k), DownByTokenSmem<Q4Format>(I, k),
+                DownByTokenSmem<Fp8Format>(I, k), DownByTokenSmem<Nvfp4Format>(I, k)});
+  if (!fits(1) || by_token > static_cast<uint64_t>(limit) ||
       uint64_t{8} * GroupKeys(o.max_tokens * k) > static_cast<uint64_t>(limit)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "expert workspace: H=", H, " I=", I, " k=", k, " T=", o.max_tokens,
@@ -780,6 +1009,8 @@ absl::StatusOr<std::unique_ptr<ExpertWorkspace>> ExpertWorkspace::Create(
   limit += kStaticSmemBound;
   RETURN_IF_ERROR(AllowSmem<Bf16Format>(limit));
   RETURN_IF_ERROR(AllowSmem<Q4Format>(limit));
+  RETURN_IF_ERROR(AllowSmem<Fp8Format>(limit));
+  RETURN_IF_ERROR(AllowSmem<Nvfp4Format>(limit));
   RETURN_IF_ERROR(AllowSmem(reinterpret_cast<const void*>(&GroupRoutesKernel), limit));
 
   const uint64_t N = static_cast<uint64_t>(o.max_tokens) * k;
@@ -818,10 +1049,13 @@ absl::Status LaunchRoutedExperts(const SlotBanks& banks, ExpertWorkspace& ws, in
                                  const float* route_weights, float* y, CUstream_st* stream,
                                  RouteGrouping grouping) {
   const ExpertWorkspaceOptions& o = ws.options();
-  if (banks.format != WeightFormat::kBf16 && banks.format != WeightFormat::kQ4_0) {
+  const WeightFormat f = banks.format;
+  if (f != WeightFormat::kBf16 && f != WeightFormat::kQ4_0 && f != WeightFormat::kFp8Block &&
+      f != WeightFormat::kNvfp4) {
     return absl::InvalidArgumentError(
-        absl::StrCat("routed experts on the GPU take bf16 and q4_0 weights, not ",
-                     std::string(common::WeightFormatName(banks.format))));
+        absl::StrCat("routed experts on the GPU take bf16, q4_0, fp8_block and nvfp4 weights, "
+                     "not ",
+                     std::string(common::WeightFormatName(f))));
   }
   if (banks.hidden != o.hidden || banks.intermediate != o.intermediate) {
     return absl::InvalidArgumentError(
@@ -837,6 +1071,23 @@ absl::Status LaunchRoutedExperts(const SlotBanks& banks, ExpertWorkspace& ws, in
       !Aligned16(banks.down)) {
     return absl::InvalidArgumentError("routed experts: slot banks missing or not 16-byte aligned");
   }
+  // Scale banks: f32 per slot row, so 4-byte aligned rows.
+  auto f32_bank = [](const uint8_t* p, uint64_t pitch) {
+    return p != nullptr && pitch % 4 == 0 && reinterpret_cast<uintptr_t>(p) % 4 == 0;
+  };
+  if (f == WeightFormat::kFp8Block &&
+      (!f32_bank(banks.gate_up_scales, banks.gate_up_scales_pitch) ||
+       !f32_bank(banks.down_scales, banks.down_scales_pitch))) {
+    return absl::InvalidArgumentError(
+        "routed experts: fp8_block needs gate_up_scales and down_scales banks (4-byte aligned)");
+  }
+  if (f == WeightFormat::kNvfp4 &&
+      (!f32_bank(banks.gate_global_scale, banks.gate_global_scale_pitch) ||
+       !f32_bank(banks.up_global_scale, banks.up_global_scale_pitch) ||
+       !f32_bank(banks.down_global_scale, banks.down_global_scale_pitch))) {
+    return absl::InvalidArgumentError(
+        "routed experts: nvfp4 needs the gate, up and down global scale banks (4-byte aligned)");
+  }
   if (x == nullptr || slot_ids == nullptr || route_weights == nullptr || y == nullptr ||
       !Aligned16(x) || !Aligned16(y)) {
     return absl::InvalidArgumentError(
@@ -848,6 +1099,16 @@ absl::Status LaunchRoutedExperts(const SlotBanks& banks, ExpertWorkspace& ws, in
   a.gate_up_pitch = banks.gate_up_pitch;
   a.down = banks.down;
   a.down_pitch = banks.down_pitch;
+  a.gate_up_scales = banks.gate_up_scales;
+  a.gate_up_scales_pitch = banks.gate_up_scales_pitch;
+  a.down_scales = banks.down_scales;
+  a.down_scales_pitch = banks.down_scales_pitch;
+  a.gate_global = banks.gate_global_scale;
+  a.gate_global_pitch = banks.gate_global_scale_pitch;
+  a.up_global = banks.up_global_scale;
+  a.up_global_pitch = banks.up_global_scale_pitch;
+  a.down_global = banks.down_global_scale;
+  a.down_global_pitch = banks.down_global_scale_pitch;
   a.num_slots = banks.num_slots;
   a.hidden = o.hidden;
   a.inter = o.intermediate;
@@ -876,8 +1137,16 @@ absl::Status LaunchRoutedExperts(const SlotBanks& banks, ExpertWorkspace& ws, in
         a, P, ws.order(), ws.group_slot(), ws.group_start(), ws.num_groups());
     CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
-  if (banks.format == WeightFormat::kBf16) return LaunchFormat<Bf16Format>(a, num_tokens, tc, ws, stream);
-  return LaunchFormat<Q4Format>(a, num_tokens, tc, ws, stream);
+  switch (f) {
+    case WeightFormat::kBf16:
+      return LaunchFormat<Bf16Format>(a, num_tokens, tc, ws, stream);
+    case WeightFormat::kQ4_0:
+      return LaunchFormat<Q4Format>(a, num_tokens, tc, ws, stream);
+    case WeightFormat::kFp8Block:
+      return LaunchFormat<Fp8Format>(a, num_tokens, tc, ws, stream);
+    default:
+      return LaunchFormat<Nvfp4Format>(a, num_tokens, tc, ws, stream);
+  }
 }
 
 }  // namespace moe::engine::gpu

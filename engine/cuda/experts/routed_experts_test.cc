@@ -1,11 +1,15 @@
-// GPU routed experts against a float64 CPU reference on the decoded weights: bf16 and q4_0
-// (panels from the project's quantizer and PackPanels), small shapes with ragged tails and
-// Qwen3-30B-A3B's (H 2048, I 768), T in {1, 3, 8, 32}, k = 8, random routes with padding (-1 and
-// ids past the pool), slots shared across tokens, each grouping. y starts nonzero (the kernels
-// accumulate), rows past T and all of the workspace hold a NaN pattern before every launch, tokens
-// whose routes are all padding must come back bit-identical, and the same launch captured in a
-// CUDA graph must replay bit-identically to eager runs with new slot ids. GPU tests skip without
-// a GPU; the bank-size checks run everywhere.
+// GPU routed experts against a float64 CPU reference on the decoded weights: bf16, q4_0 and
+// nvfp4 (panels from the project's quantizers and PackPanels; nvfp4 with gate and up global
+// scales about 4x apart) and fp8_block (128x128 block scales in banks of their own, partial edge
+// blocks, and in the small shapes scale rows padded in the slot's pitch), small shapes with
+// ragged tails and Qwen3-30B-A3B's (H 2048, I 768), T in {1, 3, 8, 32}, k = 8, random routes with
+// padding (-1 and ids past the pool), slots shared across tokens, each grouping. y starts
+// nonzero (the kernels accumulate), rows past T, all of the workspace, empty slots and the
+// padding of every slot row hold a NaN pattern, tokens whose routes are all padding must come
+// back bit-identical, and the same launch captured in a CUDA graph must replay bit-identically to
+// eager runs with new slot ids. Negative controls: the up rows read with the gate's global
+// scale, and fp8 scales read at a dense pitch, must both miss the reference. GPU tests skip
+// without a GPU; the bank-size checks run everywhere.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -34,9 +38,64 @@ TEST(BankBytesTest, MatchTheLoadersBanks) {
   EXPECT_EQ(*DownBankBytes(WeightFormat::kBf16, 2048, 768), 2048ull * 768 * 2);
   EXPECT_EQ(*GateUpBankBytes(WeightFormat::kQ4_0, 2048, 768), 2ull * 768 * 64 * 18);
   EXPECT_EQ(*DownBankBytes(WeightFormat::kQ4_0, 2048, 768), 2048ull * 24 * 18);
-  EXPECT_FALSE(GateUpBankBytes(WeightFormat::kFp8Block, 2048, 768).ok());
+  EXPECT_EQ(*GateUpBankBytes(WeightFormat::kFp8Block, 2048, 768), 2ull * 768 * 2048);
+  EXPECT_EQ(*DownBankBytes(WeightFormat::kFp8Block, 2048, 768), 2048ull * 768);
+  EXPECT_EQ(*GateUpBankBytes(WeightFormat::kNvfp4, 2048, 768), 2ull * 768 * (1024 + 128));
+  EXPECT_EQ(*DownBankBytes(WeightFormat::kNvfp4, 2048, 768), 2048ull * (384 + 48));
+  EXPECT_FALSE(GateUpBankBytes(WeightFormat::kMxfp4, 2048, 768).ok());
   EXPECT_FALSE(GateUpBankBytes(WeightFormat::kBf16, 2040, 768).ok());
   EXPECT_FALSE(DownBankBytes(WeightFormat::kQ4_0, 2048, 0).ok());
+}
+
+// The banks per format, by name and size, as engine/loader.cc's MakeLayout makes them.
+TEST(BankBytesTest, EveryBankOfEachFormat) {
+  auto names = [](WeightFormat f, int H, int I) {
+    std::vector<std::string> out;
+    auto sizes = ExpertBankSizes(f, H, I);
+    EXPECT_TRUE(sizes.ok()) << sizes.status();
+    if (!sizes.ok()) return out;
+    for (const ExpertBankSize& b : *sizes) {
+      out.push_back(std::string(b.name) + ":" + std::to_string(b.bytes));
+    }
+    return out;
+  };
+  EXPECT_EQ(names(WeightFormat::kBf16, 64, 32),
+            (std::vector<std::string>{"gate_up:8192", "down:4096"}));
+  EXPECT_EQ(names(WeightFormat::kQ4_0, 64, 32),
+            (std::vector<std::string>{"gate_up:2304", "down:1152"}));
+  // fp8: scales [ceil(2I/128), ceil(H/128)] = [12, 16] and [16, 6] f32 at Qwen3-30B-A3B's shape;
+  // [3, 1] and [1, 2] (12 and 8 bytes, padded to 16 in a store) at H 96, I 160.
+  EXPECT_EQ(names(WeightFormat::kFp8Block, 2048, 768),
+            (std::vector<std::string>{"gate_up:3145728", "gate_up_scales:768", "down:1572864",
+                                      "down_scales:384"}));
+  EXPECT_EQ(names(WeightFormat::kFp8Block, 96, 160),
+            (std::vector<std::string>{"gate_up:30720", "gate_up_scales:12", "down:15360",
+                                      "down_scales:8"}));
+  EXPECT_EQ(names(WeightFormat::kNvfp4, 64, 32),
+            (std::vector<std::string>{"gate_up:2304", "down:1152", "gate_up_global_scale:4",
+                                      "up_global_scale:4", "down_global_scale:4"}));
+  EXPECT_FALSE(ExpertBankSizes(WeightFormat::kMxfp4, 64, 32).ok());
+}
+
+// The test data has what the GPU checks below rely on: nvfp4 gate and up global scales far apart in
+// every expert, and fp8 scale rows padded in the slots at H 96, I 160.
+TEST(RoutedExpertsTest, TestDataCoversScaleCases) {
+  auto nv = MakeTestExperts(WeightFormat::kNvfp4, 4, 96, 160, 5);
+  ASSERT_TRUE(nv.ok()) << nv.status();
+  for (int e = 0; e < 4; ++e) {
+    EXPECT_LT(2.0f * nv->up_global[e], nv->gate_global[e]) << e;
+    EXPECT_NE(nv->down_global[e], nv->gate_global[e]) << e;
+  }
+  auto f8 = MakeTestExperts(WeightFormat::kFp8Block, 4, 96, 160, 5);
+  ASSERT_TRUE(f8.ok()) << f8.status();
+  std::vector<moe_cache::BankSpec> specs;
+  for (const TestBank& b : f8->banks) specs.push_back({b.name, b.bytes, 0});
+  auto layout = moe_cache::BankLayout::Create(specs);
+  ASSERT_TRUE(layout.ok());
+  ASSERT_EQ(layout->bank(1).name, "gate_up_scales");
+  EXPECT_GT(layout->bank(1).pitch, layout->bank(1).bytes);
+  ASSERT_EQ(layout->bank(3).name, "down_scales");
+  EXPECT_GT(layout->bank(3).pitch, layout->bank(3).bytes);
 }
 
 #if MOE_HAVE_CUDA
@@ -179,6 +238,21 @@ const char* GroupingName(RouteGrouping g) {
 // routed signal: sums of |terms| exceed the sums by about sqrt(n)); the whole error, relative
 // Frobenius, under 1e-4 (f32 rounding adds up like sqrt(n) 2^-24, a few 1e-6 at n = 2048);
 // padded tokens bit-identical; rows past T untouched (still NaN).
+// Elements of real tokens outside the reference's bound (NaN included).
+int OutOfBound(const Layer& layer, const Inputs& in, const Reference& ref,
+               const std::vector<float>& y) {
+  const int H = layer.experts.hidden;
+  int bad = 0;
+  for (int t = 0; t < in.T; ++t) {
+    if (in.all_padding[t]) continue;
+    for (int c = 0; c < H; ++c) {
+      const int i = t * H + c;
+      bad += std::fabs(y[i] - ref.y[i]) <= ref.bound[i] ? 0 : 1;
+    }
+  }
+  return bad;
+}
+
 void ExpectMatches(const Layer& layer, const Inputs& in, const Reference& ref,
                    const std::vector<float>& y, const std::string& what) {
   const int H = layer.experts.hidden, T = in.T;
@@ -263,6 +337,24 @@ TEST(RoutedExpertsTest, SmallShapesQ4_0) {
   CheckShape(WeightFormat::kQ4_0, 544, 352, 6, 9, {1, 3, 8, 32}, 23);
 }
 
+// fp8: rows shorter than a warp's 512 columns and not whole 128-column blocks (partial edge
+// blocks in both dimensions; gate/up's stacked 2I rows straddle a block at I = 160 and 352);
+// at H 96, I 160 and H 544, I 352 the scale rows (12 and 8, 80 and 60 bytes) are padded in the
+// slot's pitch.
+TEST(RoutedExpertsTest, SmallShapesFp8Block) {
+  MOE_SKIP_WITHOUT_GPU();
+  CheckShape(WeightFormat::kFp8Block, 96, 160, 12, 20, {1, 3, 8, 32}, 71);
+  CheckShape(WeightFormat::kFp8Block, 256, 128, 12, 20, {1, 3, 8, 32}, 72);
+  CheckShape(WeightFormat::kFp8Block, 544, 352, 6, 9, {1, 3, 8, 32}, 73);
+}
+
+TEST(RoutedExpertsTest, SmallShapesNvfp4) {
+  MOE_SKIP_WITHOUT_GPU();
+  CheckShape(WeightFormat::kNvfp4, 96, 160, 12, 20, {1, 3, 8, 32}, 81);
+  CheckShape(WeightFormat::kNvfp4, 256, 128, 12, 20, {1, 3, 8, 32}, 82);
+  CheckShape(WeightFormat::kNvfp4, 544, 352, 6, 9, {1, 3, 8, 32}, 83);
+}
+
 // Qwen3-30B-A3B's expert shape.
 TEST(RoutedExpertsTest, Qwen3MoeShapeBf16) {
   MOE_SKIP_WITHOUT_GPU();
@@ -272,6 +364,51 @@ TEST(RoutedExpertsTest, Qwen3MoeShapeBf16) {
 TEST(RoutedExpertsTest, Qwen3MoeShapeQ4_0) {
   MOE_SKIP_WITHOUT_GPU();
   CheckShape(WeightFormat::kQ4_0, 2048, 768, 12, 20, {1, 3, 8, 32}, 41);
+}
+
+TEST(RoutedExpertsTest, Qwen3MoeShapeFp8Block) {
+  MOE_SKIP_WITHOUT_GPU();
+  CheckShape(WeightFormat::kFp8Block, 2048, 768, 12, 20, {1, 3, 8, 32}, 91);
+}
+
+TEST(RoutedExpertsTest, Qwen3MoeShapeNvfp4) {
+  MOE_SKIP_WITHOUT_GPU();
+  CheckShape(WeightFormat::kNvfp4, 2048, 768, 12, 20, {1, 3, 8, 32}, 101);
+}
+
+// Negative controls: the same launches with the up rows' global scale taken from the gate's
+// bank, or fp8 block scales read as if their rows were dense (pitch = payload), fall outside
+// the reference's bound, in both groupings.
+TEST(RoutedExpertsTest, WrongScalesAreCaught) {
+  MOE_SKIP_WITHOUT_GPU();
+  const int H = 96, I = 160, T = 8;
+  for (WeightFormat f : {WeightFormat::kNvfp4, WeightFormat::kFp8Block}) {
+    std::unique_ptr<Layer> layer = MakeLayer(f, H, I, 12, 20, 111);
+    ASSERT_NE(layer, nullptr);
+    auto ws = ExpertWorkspace::Create({T, kTopK, H, I, 12});
+    ASSERT_TRUE(ws.ok()) << ws.status();
+    const Inputs in = MakeInputs(*layer, T, 112);
+    const Reference ref = ReferenceExperts(layer->experts, layer->expert_of_slot, T, kTopK, in.x,
+                                           in.slots, in.w, in.y0);
+    const SlotBanks good = layer->banks;
+    SlotBanks wrong = good;
+    if (f == WeightFormat::kNvfp4) {
+      wrong.up_global_scale = good.gate_global_scale;
+      wrong.up_global_scale_pitch = good.gate_global_scale_pitch;
+    } else {
+      wrong.gate_up_scales_pitch = layer->experts.Bank("gate_up_scales")->bytes;
+      wrong.down_scales_pitch = layer->experts.Bank("down_scales")->bytes;
+      ASSERT_NE(wrong.gate_up_scales_pitch, good.gate_up_scales_pitch);
+    }
+    for (RouteGrouping g : {RouteGrouping::kPerRoute, RouteGrouping::kBySlot}) {
+      const std::string what = std::string(common::WeightFormatName(f)) + " " + GroupingName(g);
+      EXPECT_EQ(OutOfBound(*layer, in, ref, RunOnce(*layer, **ws, in, g)), 0) << what;
+      layer->banks = wrong;
+      EXPECT_GT(OutOfBound(*layer, in, ref, RunOnce(*layer, **ws, in, g)), (T - 1) * H / 4)
+          << what << ": a wrong scale went unnoticed";
+      layer->banks = good;
+    }
+  }
 }
 
 // Captured once per bucket, replayed with new slot ids (and y reset) twice: each replay equals
@@ -331,10 +468,12 @@ void CheckGraph(WeightFormat format, int T, RouteGrouping grouping) {
 
 TEST(RoutedExpertsTest, GraphReplayMatchesEager) {
   MOE_SKIP_WITHOUT_GPU();
-  for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kQ4_0}) {
+  for (WeightFormat f :
+       {WeightFormat::kBf16, WeightFormat::kQ4_0, WeightFormat::kFp8Block, WeightFormat::kNvfp4}) {
     CheckGraph(f, 1, RouteGrouping::kAuto);
     CheckGraph(f, 8, RouteGrouping::kAuto);
     CheckGraph(f, 8, RouteGrouping::kPerRoute);
+    CheckGraph(f, 8, RouteGrouping::kBySlot);
   }
 }
 
@@ -357,6 +496,23 @@ TEST(RoutedExpertsTest, RejectsBadArguments) {
   EXPECT_FALSE(LaunchRoutedExperts(other, **ws, 1, x.p, slots.p, w.p, y.p, nullptr).ok());
   EXPECT_FALSE(SlotBanksFromPool(*layer->pool, WeightFormat::kQ4_0, 256, 128).ok());
   EXPECT_FALSE(SlotBanksFromPool(*layer->pool, WeightFormat::kBf16, 256, 96).ok());
+  // A bf16 pool has no scale banks.
+  EXPECT_FALSE(SlotBanksFromPool(*layer->pool, WeightFormat::kFp8Block, 256, 128).ok());
+  EXPECT_FALSE(SlotBanksFromPool(*layer->pool, WeightFormat::kNvfp4, 256, 128).ok());
+  // fp8 and nvfp4 launches without their scale banks (all routes padding).
+  ASSERT_EQ(cudaMemset(slots.p, 0xff, 4 * kTopK * sizeof(int32_t)), cudaSuccess);
+  for (WeightFormat f : {WeightFormat::kFp8Block, WeightFormat::kNvfp4}) {
+    std::unique_ptr<Layer> fl = MakeLayer(f, 256, 128, 4, 4, 62);
+    ASSERT_NE(fl, nullptr);
+    EXPECT_TRUE(LaunchRoutedExperts(fl->banks, **ws, 1, x.p, slots.p, w.p, y.p, nullptr).ok());
+    SlotBanks missing = fl->banks;
+    if (f == WeightFormat::kFp8Block) {
+      missing.down_scales = nullptr;
+    } else {
+      missing.up_global_scale = nullptr;
+    }
+    EXPECT_FALSE(LaunchRoutedExperts(missing, **ws, 1, x.p, slots.p, w.p, y.p, nullptr).ok());
+  }
 }
 
 #endif  // MOE_HAVE_CUDA
