@@ -47,34 +47,62 @@ absl::StatusOr<std::unique_ptr<moe_cache::ExpertStore>> ExpertStoreFromBanks(
   const cpu_moe::ExpertBank& b0 = banks[0];
   if (num_layers <= 0) num_layers = static_cast<int>(banks.size());
   if (num_experts <= 0) num_experts = b0.num_experts;
+  const common::WeightFormat f = b0.format;
+  const bool panel_format = f == common::WeightFormat::kQ4_0 || f == common::WeightFormat::kMxfp4 ||
+                            f == common::WeightFormat::kNvfp4;
   for (const cpu_moe::ExpertBank& b : banks) {
     if (b.format != b0.format || b.hidden != b0.hidden || b.intermediate != b0.intermediate ||
         b.num_experts <= 0) {
       return absl::InvalidArgumentError("expert banks of different formats or shapes");
     }
-    const bool panels = b.layout == cpu_moe::Layout::kPanels;
-    if ((b.format == common::WeightFormat::kBf16) == panels) {
+    if ((b.layout == cpu_moe::Layout::kPanels) != panel_format) {
       return absl::InvalidArgumentError(
-          "expert banks must be bf16 row-major or a 4-bit format in panels");
+          "expert banks must be bf16 or fp8_block row-major, or a 4-bit format in panels");
     }
   }
   ASSIGN_OR_RETURN(moe_cache::BankLayout layout,
                    ExpertBankLayout(b0.format, b0.hidden, b0.intermediate));
-  int gu = -1, dn = -1;
-  for (int i = 0; i < layout.num_banks(); ++i) {
-    if (layout.bank(i).name == "gate_up") gu = i;
-    if (layout.bank(i).name == "down") dn = i;
+  // Where expert e of a cpu_moe bank keeps the payload of store bank `sb`: codes and fp8 block
+  // scales dense per expert, nvfp4 global scales one float per expert at global_scale_stride
+  // (up's own where the bank has them, else the gate's, which then serve both).
+  auto source = [&](const cpu_moe::ExpertBank& b, int sb, int e) -> const uint8_t* {
+    const std::string& name = layout.bank(sb).name;
+    const uint64_t n = layout.bank(sb).bytes;
+    auto dense = [&](const void* base) {
+      return base == nullptr ? nullptr : static_cast<const uint8_t*>(base) + e * n;
+    };
+    auto global = [&](const float* g) {
+      return g == nullptr ? nullptr
+                          : reinterpret_cast<const uint8_t*>(g + static_cast<int64_t>(e) *
+                                                                     b.global_scale_stride);
+    };
+    if (name == "gate_up") return dense(b.gate_up_weights);
+    if (name == "down") return dense(b.down_weights);
+    if (name == "gate_up_scales") return dense(b.gate_up_scales);
+    if (name == "down_scales") return dense(b.down_scales);
+    if (name == "gate_up_global_scale") return global(b.gate_up_global_scales);
+    if (name == "up_global_scale") {
+      return global(b.up_global_scales != nullptr ? b.up_global_scales : b.gate_up_global_scales);
+    }
+    if (name == "down_global_scale") return global(b.down_global_scales);
+    return nullptr;
+  };
+  for (int sb = 0; sb < layout.num_banks(); ++sb) {
+    for (const cpu_moe::ExpertBank& b : banks) {
+      if (source(b, sb, 0) == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "format ", std::string(common::WeightFormatName(f)),
+            ": a cpu_moe bank has nothing for the store's '", layout.bank(sb).name, "' bank"));
+      }
+    }
   }
-  if (gu < 0 || dn < 0 || layout.num_banks() != 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("format ", std::string(common::WeightFormatName(b0.format)),
-                     ": only gate_up and down banks can be copied from cpu_moe banks"));
-  }
-  const uint64_t gu_bytes = b0.GateUpBytesPerExpert(), dn_bytes = b0.DownBytesPerExpert();
-  if (gu_bytes != layout.bank(gu).bytes || dn_bytes != layout.bank(dn).bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cpu_moe bank of ", gu_bytes, " + ", dn_bytes, " bytes per expert; the store wants ",
-        layout.bank(gu).bytes, " + ", layout.bank(dn).bytes));
+  // cpu_moe counts per expert the codes and scales of gate_up and down and one global scale
+  // each (nvfp4); the store also holds up's global scale.
+  const uint64_t cpu_bytes = b0.BytesPerExpert() + (f == common::WeightFormat::kNvfp4 ? 4 : 0);
+  if (cpu_bytes != layout.bytes_per_expert()) {
+    return absl::InvalidArgumentError(absl::StrCat("cpu_moe bank of ", cpu_bytes,
+                                                   " bytes per expert; the store wants ",
+                                                   layout.bytes_per_expert()));
   }
   moe_cache::ExpertStore::Options so;
   so.num_layers = num_layers;
@@ -91,10 +119,10 @@ absl::StatusOr<std::unique_ptr<moe_cache::ExpertStore>> ExpertStoreFromBanks(
         const int l = g / num_experts, e = g % num_experts;
         const cpu_moe::ExpertBank& b = banks[l % banks.size()];
         const int src = e % b.num_experts;
-        const auto* gp = static_cast<const uint8_t*>(b.gate_up_weights) + src * gu_bytes;
-        const auto* dp = static_cast<const uint8_t*>(b.down_weights) + src * dn_bytes;
-        errors[w] = store->WriteBank(l, e, gu, absl::MakeConstSpan(gp, gu_bytes));
-        if (errors[w].ok()) errors[w] = store->WriteBank(l, e, dn, absl::MakeConstSpan(dp, dn_bytes));
+        for (int sb = 0; sb < layout.num_banks() && errors[w].ok(); ++sb) {
+          errors[w] = store->WriteBank(
+              l, e, sb, absl::MakeConstSpan(source(b, sb, src), layout.bank(sb).bytes));
+        }
       }
     });
   }
@@ -278,6 +306,8 @@ struct GpuModel::Impl {
   // store), its pool, and the handoff (declared last: its worker uses the others).
   int32_t* d_fetch_table = nullptr;
   std::vector<cpu_moe::ExpertBank> cpu_banks;
+  // fp8_block shapes whose scale rows the store pads: the CPU's dense copies of them.
+  std::vector<std::vector<uint8_t>> cpu_dense_scales;
   cpu_moe::Options cpu_opt;
   std::unique_ptr<common::ThreadPool> cpu_pool;
   std::vector<uint8_t> cpu_seen;  // the worker thread's scratch
@@ -518,9 +548,11 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
   if (M > 0) {
     if (store == nullptr) return absl::InvalidArgumentError("no expert store");
     if (w->expert_format != common::WeightFormat::kBf16 &&
-        w->expert_format != common::WeightFormat::kQ4_0) {
+        w->expert_format != common::WeightFormat::kQ4_0 &&
+        w->expert_format != common::WeightFormat::kFp8Block &&
+        w->expert_format != common::WeightFormat::kNvfp4) {
       return absl::InvalidArgumentError(
-          absl::StrCat("the CUDA backend computes bf16 and q4_0 experts, not ",
+          absl::StrCat("the CUDA backend computes bf16, q4_0, fp8_block and nvfp4 experts, not ",
                        std::string(common::WeightFormatName(w->expert_format))));
     }
     if (store->num_layers() != M || store->num_experts() != E) {
@@ -734,13 +766,13 @@ absl::Status GpuModel::Impl::Init(const ModelWeights* weights, const moe_cache::
       uint8_t* at = static_cast<uint8_t*>(buf->get());
       for (int i = 0; i < 2; ++i) {
         // Per buffer, each bank's E experts at the store's pitch: the slot banks of E slots.
-        stage[i] = banks;
-        stage[i].num_slots = E;
+        const uint8_t* bases[moe_cache::kMaxBanks] = {};
         for (int b = 0; b < lay.num_banks(); ++b) {
-          if (lay.bank(b).name == "gate_up") stage[i].gate_up = at;
-          if (lay.bank(b).name == "down") stage[i].down = at;
+          bases[b] = at;
           at += static_cast<uint64_t>(lay.bank(b).pitch) * E;
         }
+        ASSIGN_OR_RETURN(stage[i], SlotBanksFromLayout(lay, bases, E, w->expert_format, H,
+                                                       c.moe_intermediate_size));
       }
       owned.push_back(std::move(buf));
       for (cudaEvent_t* e : {&copied[0], &copied[1], &consumed[0], &consumed[1]}) {
@@ -874,13 +906,28 @@ absl::Status GpuModel::Impl::InitHybrid() {
   if (opt.hybrid_max_rows < 1) {
     return absl::InvalidArgumentError("hybrid experts: hybrid_max_rows must be at least 1");
   }
-  const bool panels = w->expert_format != common::WeightFormat::kBf16;
+  // The loader's layouts: the 4-bit formats in panels, bf16 and fp8_block row-major.
+  const common::WeightFormat f = w->expert_format;
+  const bool panels = f == common::WeightFormat::kQ4_0 || f == common::WeightFormat::kMxfp4 ||
+                      f == common::WeightFormat::kNvfp4;
   cpu_banks.clear();
+  cpu_dense_scales.clear();
   for (int m = 0; m < M; ++m) {
-    const common::ExpertLayerView view = store->LayerView(
-        m, w->expert_format,
-        panels ? common::ExpertLayout::kPanels : common::ExpertLayout::kRowMajor, H,
+    common::ExpertLayerView view = store->LayerView(
+        m, f, panels ? common::ExpertLayout::kPanels : common::ExpertLayout::kRowMajor, H,
         c.moe_intermediate_size);
+    // cpu_moe reads fp8 block scales dense; where the store pads their rows (shapes whose scale
+    // rows are not whole 16-byte rows) it reads copies made here once.
+    const std::pair<const char*, common::ExpertArray*> scale_arrays[] = {
+        {"gate_up_scales", &view.gate_up_scales}, {"down_scales", &view.down_scales}};
+    for (const auto& [name, array] : scale_arrays) {
+      const int b = store->FindBank(name);
+      if (b < 0 || store->layout().bank(b).pitch == store->layout().bank(b).bytes) continue;
+      const uint64_t bytes = store->layout().bank(b).bytes;
+      std::vector<uint8_t>& dense = cpu_dense_scales.emplace_back(bytes * E);
+      for (int e = 0; e < E; ++e) std::memcpy(dense.data() + e * bytes, array->Expert(e), bytes);
+      *array = common::ExpertArray{dense.data(), bytes};
+    }
     absl::StatusOr<cpu_moe::ExpertBank> bank = cpu_moe::BankFromView(view);
     if (!bank.ok()) {
       return absl::Status(bank.status().code(),
@@ -1062,9 +1109,8 @@ absl::Status GpuModel::Impl::StreamLayer(int m, int buf) {
   const moe_cache::BankLayout& lay = store->layout();
   const int E = w->config.num_experts;
   for (int b = 0; b < lay.num_banks(); ++b) {
-    const uint8_t* dst = lay.bank(b).name == "gate_up" ? stage[buf].gate_up
-                         : lay.bank(b).name == "down"  ? stage[buf].down
-                                                       : nullptr;
+    // Every bank the kernels read (codes, fp8 block scales, nvfp4 global scales).
+    const uint8_t* dst = SlotBankBase(stage[buf], lay.bank(b).name);
     if (dst == nullptr) continue;
     const uint64_t bytes = static_cast<uint64_t>(lay.bank(b).pitch) * E;
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(const_cast<uint8_t*>(dst),

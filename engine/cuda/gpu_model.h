@@ -132,10 +132,10 @@ struct GpuCacheStats {
 class GpuModel final : public ForwardModel {
  public:
   // `weights` holds dense weights (bf16 or f32: uploaded as bf16) and the config; `store` every
-  // routed expert (bf16 or q4_0, the loader's layout), pinned and mapped. InvalidArgument for
-  // shapes or formats the kernels do not serve; FailedPrecondition for a store that is not
-  // pinned; ResourceExhausted (naming the part) when the plan or an allocation does not fit;
-  // Unavailable without CUDA or a device.
+  // routed expert (bf16, q4_0, fp8_block or nvfp4, the loader's layout), pinned and mapped.
+  // InvalidArgument for shapes or formats the kernels do not serve; FailedPrecondition for a store
+  // that is not pinned; ResourceExhausted (naming the part) when the plan or an allocation does not
+  // fit; Unavailable without CUDA or a device.
   static absl::StatusOr<std::unique_ptr<GpuModel>> Create(const ModelWeights* weights,
                                                           const moe_cache::ExpertStore* store,
                                                           const GpuModelOptions& options);
@@ -196,11 +196,12 @@ class GpuModel final : public ForwardModel {
   std::unique_ptr<Impl> impl_;
 };
 
-// An ExpertStore in the loader's layout (ExpertBankLayout) filled from cpu_moe banks of one
-// format (bf16 row-major or q4_0 panels, experts contiguous), for models made in memory (tests,
-// benchmarks). Store layer l, expert e is bank l % banks.size()'s expert e % its num_experts, so
-// a few distinct experts can fill a full-size store; num_layers / num_experts 0: the banks'.
-// Pinned and mapped where a device is visible.
+// An ExpertStore in the loader's layout (ExpertBankLayout), every bank of the format, filled
+// from cpu_moe banks of one format (bf16 or fp8_block row-major, q4_0, mxfp4 or nvfp4 panels;
+// experts contiguous; nvfp4 without up_global_scales gives up rows the gate's global scale), for
+// models made in memory (tests, benchmarks). Store layer l, expert e is bank l % banks.size()'s
+// expert e % its num_experts, so a few distinct experts can fill a full-size store; num_layers /
+// num_experts 0: the banks'. Pinned and mapped where a device is visible.
 absl::StatusOr<std::unique_ptr<moe_cache::ExpertStore>> ExpertStoreFromBanks(
     absl::Span<const cpu_moe::ExpertBank> banks, int num_layers = 0, int num_experts = 0);
 

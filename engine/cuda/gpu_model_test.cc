@@ -17,7 +17,9 @@
 //   - deterministic mode: batched logits bit-identical to solo ones;
 //   - start-up failures: a budget or KV cache that does not fit is a clear error; an
 //     out-of-memory mid-run (a decode graph's instantiation) is a clear error and the model
-//     keeps serving.
+//     keeps serving;
+//   - fp8_block and nvfp4 experts through the cache, prefill streaming and hybrid experts, and
+//     the FP8 fixture served from its own fp8 bytes against transformers.
 #include "engine/cuda/gpu_model.h"
 
 #include <algorithm>
@@ -906,6 +908,156 @@ TEST(GpuModelTest, StartFailuresAreClearErrors) {
   ASSERT_TRUE((*gm)->Forward({&ch, 1}, &logits).ok());
   EXPECT_EQ(logits.size(), static_cast<size_t>(w->config.vocab_size));
   EXPECT_TRUE(AllFinite(logits));
+}
+
+// Max RelDiff of a's logits rows from b's over the steps at which every sequence has chosen the
+// same tokens so far (rows are step-major, n sequences per step); *rows: rows compared.
+double WorstWhileTokensAgree(const GreedyRun& a, const GreedyRun& b, size_t n, size_t* rows) {
+  size_t agree_steps = a.tokens.empty() ? 0 : a.tokens[0].size();
+  for (size_t i = 0; i < n && i < a.tokens.size() && i < b.tokens.size(); ++i) {
+    size_t j = 0;
+    while (j < a.tokens[i].size() && j < b.tokens[i].size() && a.tokens[i][j] == b.tokens[i][j]) {
+      ++j;
+    }
+    agree_steps = std::min(agree_steps, j);
+  }
+  double worst = 0;
+  *rows = 0;
+  for (size_t r = 0; r < a.logits.size() && r < b.logits.size() && r / n <= agree_steps; ++r) {
+    EXPECT_TRUE(AllFinite(a.logits[r])) << "row " << r;
+    worst = std::max(worst, RelDiff(a.logits[r], b.logits[r]));
+    ++*rows;
+  }
+  return worst;
+}
+
+// fp8_block and nvfp4 experts on the embedded default model (H = I = 128: fp8's block scale rows
+// of 8 and 4 bytes are padded to 16 in the store), through every path that moves or reads all of
+// a format's banks: the cache's gather from a cold cache of top_k slots per layer (logits against
+// the CPU engine on the same experts), prefill streaming of whole layers (the cache's logits),
+// and hybrid experts computed by cpu_moe from the store (within rounding of offload).
+TEST(GpuModelTest, Fp8BlockAndNvfp4ExpertsOnEveryPath) {
+  MOE_SKIP_WITHOUT_GPU();
+  const std::string dir = DefaultModelDir();
+  ASSERT_FALSE(dir.empty());
+  for (auto format : {common::WeightFormat::kFp8Block, common::WeightFormat::kNvfp4}) {
+    const std::string name(common::WeightFormatName(format));
+    SCOPED_TRACE(name);
+    auto w = Load(dir, format);
+    ASSERT_NE(w, nullptr);
+    const ModelConfig& c = w->config;
+    const int K = c.num_experts_per_tok, M = c.NumMoeLayers(), ctx = 128;
+    const uint64_t slot_bytes = w->experts->layout().padded_bytes_per_expert();
+    const auto prompts = DefaultPrompts(c.vocab_size);
+    const size_t n = prompts.size();
+    const int steps = 8;
+    GpuModelOptions o = SmallOptions(ctx);
+    o.expert_budget_gib = static_cast<double>(static_cast<uint64_t>(K) * M * slot_bytes) /
+                          static_cast<double>(uint64_t{1} << 30);
+    o.prefill_stream = false;
+    auto offload = GpuModel::Create(w.get(), w->experts.get(), o);
+    ASSERT_TRUE(offload.ok()) << offload.status();
+    const GreedyRun off = Greedy(**offload, prompts, steps, /*batched=*/true);
+    EXPECT_GT((*offload)->stats().misses, 0);
+
+    CpuRef ref(*w, ctx, 8 * ctx / kBlock);
+    CpuForward cpu(&ref);
+    const GreedyRun on_cpu = Greedy(cpu, prompts, steps, /*batched=*/true);
+    size_t rows = 0;
+    const double vs_cpu = WorstWhileTokensAgree(off, on_cpu, n, &rows);
+    EXPECT_GE(rows, n);
+    EXPECT_LE(vs_cpu, 2e-2);
+
+    GpuModelOptions os = o;
+    os.prefill_stream = true;
+    os.prefill_stream_min_rows = 16;
+    auto streamed = GpuModel::Create(w.get(), w->experts.get(), os);
+    ASSERT_TRUE(streamed.ok()) << streamed.status();
+    const GreedyRun str = Greedy(**streamed, prompts, steps, /*batched=*/true);
+    EXPECT_GT((*streamed)->stats().streamed_layers, 0);
+    EXPECT_EQ(str.tokens, off.tokens);
+    ASSERT_EQ(str.logits.size(), off.logits.size());
+    double vs_cache = 0;
+    for (size_t r = 0; r < off.logits.size(); ++r) {
+      vs_cache = std::max(vs_cache, RelDiff(str.logits[r], off.logits[r]));
+    }
+    EXPECT_LE(vs_cache, 1e-5);
+
+    GpuModelOptions oh = o;
+    oh.hybrid = true;
+    oh.hybrid_profile = moe_cache::BandwidthProfile{50.0, 70.0, true};
+    oh.hybrid_threads = 2;
+    auto hybrid = GpuModel::Create(w.get(), w->experts.get(), oh);
+    ASSERT_TRUE(hybrid.ok()) << hybrid.status();
+    const GreedyRun hy = Greedy(**hybrid, prompts, steps, /*batched=*/true);
+    EXPECT_GT((*hybrid)->stats().cpu_experts, 0);
+    size_t hy_rows = 0;
+    const double vs_offload = WorstWhileTokensAgree(hy, off, n, &hy_rows);
+    EXPECT_GE(hy_rows, n);
+    EXPECT_LE(vs_offload, 2e-2);
+    std::printf(
+        "%s experts: GPU vs CPU %.3g over %zu rows; streamed vs cached prefill %.3g; "
+        "hybrid (%lld experts on the CPU) vs offload %.3g over %zu rows\n",
+        name.c_str(), vs_cpu, rows, vs_cache,
+        static_cast<long long>((*hybrid)->stats().cpu_experts), vs_offload, hy_rows);
+  }
+}
+
+// The FP8 fixture (128x128-block e4m3 experts) served from its own bytes (fp8_block experts: the
+// checkpoint's codes and block scales unchanged) against transformers' logits and the CPU engine.
+TEST(GpuModelTest, Fp8CheckpointServedAsFp8BlockExperts) {
+  MOE_SKIP_WITHOUT_GPU();
+  fs::path dir;
+  for (const fs::path& p : FixtureCases()) {
+    if (p.filename() == "qwen3_fp8_block") dir = p;
+  }
+  if (dir.empty()) GTEST_SKIP() << "no qwen3_fp8_block fixture under engine/testdata";
+  std::ifstream f(dir / "reference.json");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const nlohmann::json ref = nlohmann::json::parse(ss.str());
+  auto w = Load(dir.string(), common::WeightFormat::kFp8Block);
+  ASSERT_NE(w, nullptr);
+  const int V = w->config.vocab_size;
+  const auto prompts = ref.at("prompts").get<std::vector<std::vector<int32_t>>>();
+  int longest = 1;
+  for (const auto& p : prompts) longest = std::max<int>(longest, p.size());
+  const int ctx = (longest + kBlock - 1) / kBlock * kBlock;
+  GpuModelOptions o = SmallOptions(ctx);
+  o.max_batch = static_cast<int>(prompts.size());
+  o.kv_blocks = static_cast<int>(prompts.size()) * ctx / kBlock;
+  auto gm = GpuModel::Create(w.get(), w->experts.get(), o);
+  ASSERT_TRUE(gm.ok()) << gm.status();
+  CpuRef cpu(*w, ctx, o.kv_blocks);
+  KvBlockAllocator alloc(o.kv_blocks, kBlock);
+  std::vector<std::vector<int32_t>> tables(prompts.size());
+  std::vector<ModelChunk> chunks;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    ASSERT_TRUE(
+        alloc.Allocate((static_cast<int>(prompts[i].size()) + kBlock - 1) / kBlock, &tables[i]));
+    chunks.push_back({prompts[i], 0, &tables[i], ChunkLogits::kAll});
+  }
+  std::vector<float> got, want_cpu;
+  ASSERT_TRUE((*gm)->Forward(chunks, &got).ok());
+  ASSERT_TRUE(cpu.model->Forward(chunks, cpu.kv.get(), &want_cpu).ok());
+  EXPECT_TRUE(AllFinite(got));
+  size_t row = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    auto npy = common::ReadNpy((dir / ("logits_" + std::to_string(i) + ".npy")).string());
+    ASSERT_TRUE(npy.ok()) << npy.status();
+    const size_t n = prompts[i].size() * V;
+    ASSERT_EQ(npy->f32.size(), n);
+    const std::vector<float> g(got.begin() + row, got.begin() + row + n);
+    const std::vector<float> cw(want_cpu.begin() + row, want_cpu.begin() + row + n);
+    const double vs_hf = RelDiff(g, npy->f32), vs_cpu = RelDiff(g, cw);
+    std::printf(
+        "qwen3_fp8_block with fp8_block experts, prompt %zu: GPU vs transformers %.3g, "
+        "GPU vs CPU %.3g\n",
+        i, vs_hf, vs_cpu);
+    EXPECT_LE(vs_hf, 3e-2) << "prompt " << i;
+    EXPECT_LE(vs_cpu, 2e-2) << "prompt " << i;
+    row += n;
+  }
 }
 
 }  // namespace
