@@ -385,20 +385,15 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
     // Hybrid modes: the CPU's banks (the store's memory, read in place) and the bandwidth
     // profile measured on them, both paths alone and together.
     hybrid::HybridProfileMeasurement hp;
+    std::vector<std::vector<uint8_t>> dense_scales;  // fp8 scale rows the store pads
     if (modes.size() > 1) {
-      std::vector<cpu_moe::ExpertBank> cpu_banks;
-      const bool panels = *format != common::WeightFormat::kBf16;
-      for (int m = 0; m < M; ++m) {
-        auto bank = cpu_moe::BankFromView((*store)->LayerView(
-            m, *format, panels ? common::ExpertLayout::kPanels : common::ExpertLayout::kRowMajor,
-            cfg.hidden_size, cfg.moe_intermediate_size));
-        if (!bank.ok()) {
-          std::fprintf(stderr, "%s\n", bank.status().ToString().c_str());
-          return 1;
-        }
-        cpu_banks.push_back(*bank);
+      auto cpu_banks = gpu::CpuBanksFromStore(**store, *format, M, E, cfg.hidden_size,
+                                              cfg.moe_intermediate_size, &dense_scales);
+      if (!cpu_banks.ok()) {
+        std::fprintf(stderr, "%s\n", cpu_banks.status().ToString().c_str());
+        return 1;
       }
-      auto m = hybrid::MeasureHybridProfile(**store, cpu_banks, K, cpu_moe::Options(), pool, 2.0);
+      auto m = hybrid::MeasureHybridProfile(**store, *cpu_banks, K, cpu_moe::Options(), pool, 2.0);
       if (!m.ok()) {
         std::fprintf(stderr, "%s\n", m.status().ToString().c_str());
         return 1;

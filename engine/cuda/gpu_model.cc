@@ -131,6 +131,41 @@ absl::StatusOr<std::unique_ptr<moe_cache::ExpertStore>> ExpertStoreFromBanks(
   return store;
 }
 
+absl::StatusOr<std::vector<cpu_moe::ExpertBank>> CpuBanksFromStore(
+    const moe_cache::ExpertStore& store, common::WeightFormat format, int num_layers,
+    int num_experts, int hidden, int intermediate,
+    std::vector<std::vector<uint8_t>>* dense_scales) {
+  const bool panels = format == common::WeightFormat::kQ4_0 ||
+                      format == common::WeightFormat::kMxfp4 ||
+                      format == common::WeightFormat::kNvfp4;
+  std::vector<cpu_moe::ExpertBank> banks;
+  for (int m = 0; m < num_layers; ++m) {
+    common::ExpertLayerView view = store.LayerView(
+        m, format, panels ? common::ExpertLayout::kPanels : common::ExpertLayout::kRowMajor,
+        hidden, intermediate);
+    const std::pair<const char*, common::ExpertArray*> scale_arrays[] = {
+        {"gate_up_scales", &view.gate_up_scales}, {"down_scales", &view.down_scales}};
+    for (const auto& [name, array] : scale_arrays) {
+      const int b = store.FindBank(name);
+      if (b < 0 || store.layout().bank(b).pitch == store.layout().bank(b).bytes) continue;
+      const uint64_t bytes = store.layout().bank(b).bytes;
+      std::vector<uint8_t>& dense = dense_scales->emplace_back(bytes * num_experts);
+      for (int e = 0; e < num_experts; ++e) {
+        std::memcpy(dense.data() + e * bytes, array->Expert(e), bytes);
+      }
+      *array = common::ExpertArray{dense.data(), bytes};
+    }
+    absl::StatusOr<cpu_moe::ExpertBank> bank = cpu_moe::BankFromView(view);
+    if (!bank.ok()) {
+      return absl::Status(bank.status().code(),
+                          absl::StrCat("MoE layer ", m, " of the expert store: ",
+                                       bank.status().message()));
+    }
+    banks.push_back(*bank);
+  }
+  return banks;
+}
+
 #if MOE_HAVE_CUDA
 
 namespace {
@@ -906,36 +941,9 @@ absl::Status GpuModel::Impl::InitHybrid() {
   if (opt.hybrid_max_rows < 1) {
     return absl::InvalidArgumentError("hybrid experts: hybrid_max_rows must be at least 1");
   }
-  // The loader's layouts: the 4-bit formats in panels, bf16 and fp8_block row-major.
-  const common::WeightFormat f = w->expert_format;
-  const bool panels = f == common::WeightFormat::kQ4_0 || f == common::WeightFormat::kMxfp4 ||
-                      f == common::WeightFormat::kNvfp4;
-  cpu_banks.clear();
   cpu_dense_scales.clear();
-  for (int m = 0; m < M; ++m) {
-    common::ExpertLayerView view = store->LayerView(
-        m, f, panels ? common::ExpertLayout::kPanels : common::ExpertLayout::kRowMajor, H,
-        c.moe_intermediate_size);
-    // cpu_moe reads fp8 block scales dense; where the store pads their rows (shapes whose scale
-    // rows are not whole 16-byte rows) it reads copies made here once.
-    const std::pair<const char*, common::ExpertArray*> scale_arrays[] = {
-        {"gate_up_scales", &view.gate_up_scales}, {"down_scales", &view.down_scales}};
-    for (const auto& [name, array] : scale_arrays) {
-      const int b = store->FindBank(name);
-      if (b < 0 || store->layout().bank(b).pitch == store->layout().bank(b).bytes) continue;
-      const uint64_t bytes = store->layout().bank(b).bytes;
-      std::vector<uint8_t>& dense = cpu_dense_scales.emplace_back(bytes * E);
-      for (int e = 0; e < E; ++e) std::memcpy(dense.data() + e * bytes, array->Expert(e), bytes);
-      *array = common::ExpertArray{dense.data(), bytes};
-    }
-    absl::StatusOr<cpu_moe::ExpertBank> bank = cpu_moe::BankFromView(view);
-    if (!bank.ok()) {
-      return absl::Status(bank.status().code(),
-                          absl::StrCat("hybrid experts: MoE layer ", m,
-                                       " of the expert store: ", bank.status().message()));
-    }
-    cpu_banks.push_back(*bank);
-  }
+  ASSIGN_OR_RETURN(cpu_banks, CpuBanksFromStore(*store, w->expert_format, M, E, H,
+                                                c.moe_intermediate_size, &cpu_dense_scales));
   int threads = opt.hybrid_threads;
   if (threads <= 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) - 1);
   // The polling thread computes too (cpu_moe's caller takes part).

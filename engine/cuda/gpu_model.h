@@ -205,6 +205,15 @@ class GpuModel final : public ForwardModel {
 absl::StatusOr<std::unique_ptr<moe_cache::ExpertStore>> ExpertStoreFromBanks(
     absl::Span<const cpu_moe::ExpertBank> banks, int num_layers = 0, int num_experts = 0);
 
+// cpu_moe banks over `store`'s experts in `format` (the loader's layout: the 4-bit formats in
+// panels, bf16 and fp8_block row-major), one per MoE layer, read in place: the CPU's share of
+// hybrid experts. cpu_moe reads fp8 block scales dense; where the store pads their rows, dense
+// copies are made into `dense_scales`, which must outlive the banks.
+absl::StatusOr<std::vector<cpu_moe::ExpertBank>> CpuBanksFromStore(
+    const moe_cache::ExpertStore& store, common::WeightFormat format, int num_layers,
+    int num_experts, int hidden, int intermediate,
+    std::vector<std::vector<uint8_t>>* dense_scales);
+
 }  // namespace moe::engine::gpu
 
 #endif  // MOE_ENGINE_CUDA_GPU_MODEL_H_
