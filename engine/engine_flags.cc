@@ -14,13 +14,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status.h"
+#include "engine/loader.h"
 #include "moe_cache/policy_core.h"
 
 ABSL_FLAG(std::string, model, "",
           "Hugging Face model folder (config.json, *.safetensors, tokenizer.json); empty: the "
           "embedded default model");
-ABSL_FLAG(std::string, expert_format, "bf16",
-          "format of the routed experts in memory: bf16, fp8_block, q4_0, nvfp4, mxfp4");
+ABSL_FLAG(std::string, expert_format, "auto",
+          "format of the routed experts in memory: auto (the checkpoint's own: nvfp4 for an "
+          "NVFP4 checkpoint, fp8_block for an FP8 block-scaled one, bf16 for bf16/f16/f32; a "
+          "quantized checkpoint is never widened), bf16, fp8_block, q4_0, nvfp4, mxfp4");
 ABSL_FLAG(int, threads, 0, "worker threads; 0: physical cores");
 ABSL_FLAG(int, max_batch, 64,
           "sequences per step (the GPU engine sizes its KV cache for max_batch sequences of "
@@ -85,6 +88,9 @@ absl::StatusOr<ModelEngineOptions> ModelEngineOptionsFromFlags() {
   if (options.kv_blocks < 0) return bad("kv_blocks", options.kv_blocks, "must be >= 0");
   if (options.prefill_chunk < 1) {
     return bad("prefill_chunk", options.prefill_chunk, "must be >= 1");
+  }
+  if (absl::Status s = ParseExpertFormat(options.expert_format).status(); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--expert_format: ", s.message()));
   }
   ASSIGN_OR_RETURN(options.gpu, GpuEngineOptionsFromFlags());
   options.backend = absl::GetFlag(FLAGS_backend);

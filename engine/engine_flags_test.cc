@@ -7,7 +7,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
 #include "gtest/gtest.h"
 
 namespace moe::engine {
@@ -49,6 +51,32 @@ TEST(EngineFlagsTest, DashedNamesAndValuesReachTheOptions) {
   absl::SetFlag(&FLAGS_gpu_expert_budget_gb, 0.0);
   absl::SetFlag(&FLAGS_moe_cache_policy, "scored");
   absl::SetFlag(&FLAGS_adapt_every, 16);
+  absl::SetFlag(&FLAGS_expert_format, "auto");
+}
+
+TEST(EngineFlagsTest, ExpertFormatDefaultsToTheCheckpointsOwn) {
+  // Nothing set: "auto", which LoadModel resolves from the checkpoint.
+  const absl::CommandLineFlag* flag = absl::FindCommandLineFlag("expert_format");
+  ASSERT_NE(flag, nullptr);
+  EXPECT_EQ(flag->DefaultValue(), "auto");
+  absl::SetFlag(&FLAGS_expert_format, "auto");
+  auto o = ModelEngineOptionsFromFlags();
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->expert_format, "auto");
+  EXPECT_EQ(ModelEngineOptions().expert_format, "auto");
+  for (const char* f : {"bf16", "fp8_block", "q4_0", "nvfp4", "mxfp4"}) {
+    absl::SetFlag(&FLAGS_expert_format, f);
+    auto named = ModelEngineOptionsFromFlags();
+    ASSERT_TRUE(named.ok()) << f << ": " << named.status();
+    EXPECT_EQ(named->expert_format, f);
+  }
+  // A typo fails at parse time, naming the flag and the accepted values.
+  absl::SetFlag(&FLAGS_expert_format, "nvfp");
+  auto bad = ModelEngineOptionsFromFlags();
+  ASSERT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("--expert_format"), std::string::npos) << bad.status();
+  EXPECT_NE(bad.status().message().find("must be auto"), std::string::npos) << bad.status();
+  absl::SetFlag(&FLAGS_expert_format, "auto");
 }
 
 TEST(EngineFlagsTest, BadValuesNameTheFlag) {

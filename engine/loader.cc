@@ -749,6 +749,26 @@ absl::StatusOr<bool> ReadQuantization(const std::string& dir) {
 
 }  // namespace
 
+WeightFormat CheckpointExpertFormat(const ExpertFormatCounts& counts) {
+  // Narrowest first, so that a tie goes to it.
+  if (counts.nvfp4 > 0 && counts.nvfp4 >= counts.fp8 && counts.nvfp4 >= counts.other) {
+    return WeightFormat::kNvfp4;
+  }
+  if (counts.fp8 > 0 && counts.fp8 >= counts.other) return WeightFormat::kFp8Block;
+  return WeightFormat::kBf16;
+}
+
+absl::StatusOr<std::optional<WeightFormat>> ParseExpertFormat(std::string_view name) {
+  if (name == kAutoExpertFormat) return std::nullopt;
+  absl::StatusOr<WeightFormat> f = common::ParseWeightFormat(name);
+  if (!f.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert format \"", absl::string_view(name.data(), name.size()),
+        "\": must be auto (the checkpoint's own) or one of bf16, fp8_block, q4_0, nvfp4, mxfp4"));
+  }
+  return *f;
+}
+
 absl::StatusOr<moe_cache::BankLayout> ExpertBankLayout(WeightFormat format, int64_t hidden,
                                                        int64_t moe_intermediate) {
   Banks banks;
@@ -807,8 +827,6 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
 
   const int num_moe = c.NumMoeLayers();
   const int64_t E = c.num_experts, I = c.moe_intermediate_size;
-  const WeightFormat ef = options.expert_format;
-  w->expert_format = ef;
   std::vector<ExpertJob> experts;
   w->layers.resize(c.num_hidden_layers);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
@@ -902,6 +920,20 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
     }
   }
 
+  ExpertFormatCounts counts;
+  for (const ExpertJob& j : experts) {
+    (j.gate.is_nvfp4() ? counts.nvfp4 : j.gate.is_fp8() ? counts.fp8 : counts.other) += 1;
+  }
+  const WeightFormat ef = options.expert_format.value_or(CheckpointExpertFormat(counts));
+  w->expert_format = ef;
+  if (!options.expert_format.has_value() && !experts.empty()) {
+    std::fprintf(stderr,
+                 "%s: expert format auto: %s, the checkpoint's own (routed experts: %lld NVFP4, "
+                 "%lld FP8, %lld BF16/F16/F32)\n",
+                 dir.c_str(), std::string(common::WeightFormatName(ef)).c_str(),
+                 static_cast<long long>(counts.nvfp4), static_cast<long long>(counts.fp8),
+                 static_cast<long long>(counts.other));
+  }
   Banks banks;
   if (num_moe > 0) {
     if (H % 32 != 0 || I % 32 != 0 || H > 16384 || I > 16384) {

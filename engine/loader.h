@@ -14,7 +14,9 @@
 #define MOE_ENGINE_LOADER_H_
 
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "absl/status/statusor.h"
 #include "common/formats.h"
@@ -24,7 +26,9 @@
 namespace moe::engine {
 
 struct LoadOptions {
-  common::WeightFormat expert_format = common::WeightFormat::kBf16;
+  // The routed experts' format in the store. nullopt ("auto"): the checkpoint's own (see
+  // CheckpointExpertFormat below), which ModelWeights::expert_format then reports.
+  std::optional<common::WeightFormat> expert_format = common::WeightFormat::kBf16;
   DType dense_dtype = DType::kBf16;  // kF32 for reference tests
   int threads = 0;                   // 0: physical cores
   // A progress line on stderr (bytes, rate, time left) about once a second, for loads that take
@@ -36,6 +40,23 @@ struct LoadOptions {
 
 absl::StatusOr<std::unique_ptr<ModelWeights>> LoadModel(const std::string& dir,
                                                         const LoadOptions& options);
+
+// The expert format "auto" resolves to: the format the checkpoint's routed experts are stored
+// in, so that a quantized checkpoint is served as it is and never widened. NVFP4 experts of a
+// ModelOpt NVFP4 checkpoint: kNvfp4; F8_E4M3 experts with block scales: kFp8Block; BF16, F16
+// or F32 experts (and a model without routed experts): kBf16. Where a checkpoint mixes them
+// (layers left out of the quantization), the format most routed experts are in; a tie goes
+// to the narrower format.
+struct ExpertFormatCounts {
+  int64_t nvfp4 = 0, fp8 = 0, other = 0;  // routed experts (gate_proj) by source dtype
+};
+common::WeightFormat CheckpointExpertFormat(const ExpertFormatCounts& counts);
+
+// The value of an expert-format option: "auto" gives nullopt (the checkpoint's own format,
+// resolved by LoadModel), a name WeightFormatName spells gives that format; anything else is
+// InvalidArgument listing the valid values.
+inline constexpr char kAutoExpertFormat[] = "auto";
+absl::StatusOr<std::optional<common::WeightFormat>> ParseExpertFormat(std::string_view name);
 
 // The bank layout of one routed expert in `format` for hidden size `hidden` and
 // moe_intermediate_size `moe_intermediate`: exactly what LoadModel's ExpertStore holds per expert,

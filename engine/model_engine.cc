@@ -665,7 +665,11 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateModelEngineFromParts(
   info.hidden_size = c.hidden_size;
   info.num_experts = c.num_experts;
   info.experts_per_token = c.num_experts_per_tok;
-  info.expert_format = options.expert_format;
+  // "auto" (or nothing) reports what it resolved to: the format the weights hold.
+  info.expert_format =
+      options.expert_format.empty() || options.expert_format == kAutoExpertFormat
+          ? std::string(common::WeightFormatName(parts.weights->expert_format))
+          : options.expert_format;
   info.backend = options.backend;
   auto engine = std::make_unique<ModelEngine>(std::move(parts), options, std::move(info));
   RETURN_IF_ERROR(engine->Init());
@@ -682,9 +686,8 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateModelEngine(const ModelEngineOptio
           "this binary's runfiles; set MOE_DEFAULT_MODEL_DIR or pass --model DIR");
     }
   }
-  ASSIGN_OR_RETURN(common::WeightFormat format, common::ParseWeightFormat(options.expert_format));
   LoadOptions lo;
-  lo.expert_format = format;
+  ASSIGN_OR_RETURN(lo.expert_format, ParseExpertFormat(options.expert_format));
   lo.dense_dtype = options.dense_f32 ? DType::kF32 : DType::kBf16;
   lo.threads = options.threads;
   ASSIGN_OR_RETURN(std::unique_ptr<ModelWeights> weights, LoadModel(dir, lo));

@@ -54,8 +54,11 @@ struct ModelEngineOptions {
   // A Hugging Face model folder (config.json, *.safetensors, tokenizer.json,
   // tokenizer_config.json); "": the embedded default model (DefaultModelDir()).
   std::string model_dir;
-  // Format the routed experts are held in: "bf16", "fp8_block", "q4_0", "nvfp4", "mxfp4".
-  std::string expert_format = "bf16";
+  // Format the routed experts are held in: "auto" (the checkpoint's own: nvfp4 for an NVFP4
+  // checkpoint, fp8_block for FP8 block-scaled, bf16 for bf16/f16/f32; LoadModel resolves it),
+  // "bf16", "fp8_block", "q4_0", "nvfp4", "mxfp4". ModelInfo::expert_format reports the format
+  // the experts are held in.
+  std::string expert_format = "auto";
   int threads = 0;     // worker threads; 0: the machine's physical cores
   int max_batch = 64;  // sequences per step (prefilling and decoding together)
   // Tokens one sequence may hold (prompt + output); 0: min(max_position_embeddings, 4096).
@@ -92,7 +95,8 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateModelEngine(const ModelEngineOptio
 // An engine over a model already in memory (tests, benchmarks): `weights` and the memory behind
 // `banks` (one cpu_moe bank per MoE layer) stay alive as long as `keepalive` does, which the
 // engine holds; tokenizer and chat template may be null (then prompts must be ids and events
-// carry no text). options.model_dir and expert_format are only reported.
+// carry no text). options.model_dir and expert_format are only reported ("auto" as the weights'
+// own expert_format).
 struct ModelEngineParts {
   std::shared_ptr<void> keepalive;
   const ModelWeights* weights = nullptr;

@@ -57,9 +57,8 @@ absl::Status DumpLogits(const ModelEngineOptions& options) {
   }
   const std::vector<int32_t>& ids = ids_npy.i32;
   const int batch = static_cast<int>(ids_npy.shape[0]), len = static_cast<int>(ids_npy.shape[1]);
-  ASSIGN_OR_RETURN(common::WeightFormat format, common::ParseWeightFormat(options.expert_format));
   LoadOptions lo;
-  lo.expert_format = format;
+  ASSIGN_OR_RETURN(lo.expert_format, ParseExpertFormat(options.expert_format));
   lo.dense_dtype = options.dense_f32 ? DType::kF32 : DType::kBf16;
   lo.threads = options.threads;
   ASSIGN_OR_RETURN(std::unique_ptr<ModelWeights> w, LoadModel(dir, lo));
