@@ -496,6 +496,38 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(std::string_view json,
   return c;
 }
 
+ModelConfig Qwen36_35B_A3B(int num_layers) {
+  ModelConfig c;
+  c.model_type = "qwen3_5_moe";
+  c.vocab_size = 248320;
+  c.hidden_size = 2048;
+  // Unused (every layer is MoE); transformers' class default, as FromJson leaves it.
+  c.intermediate_size = 5632;
+  c.moe_intermediate_size = 512;
+  c.shared_expert_intermediate_size = 512;
+  c.num_hidden_layers = num_layers;
+  c.num_attention_heads = 16;
+  c.num_key_value_heads = 2;
+  c.head_dim = 256;
+  c.rms_norm_eps = 1e-6f;
+  c.rope_theta = 1e7;
+  c.max_position_embeddings = 262144;
+  c.num_experts = 256;
+  c.num_experts_per_tok = 8;
+  c.norm_topk_prob = true;
+  c.qk_norm = true;
+  c.tie_word_embeddings = false;
+  c.torch_dtype = "bfloat16";
+  c.layer_types.assign(num_layers, LayerKind::kLinearAttention);
+  for (int l = 3; l < num_layers; l += 4) c.layer_types[l] = LayerKind::kFullAttention;
+  c.linear = {/*num_key_heads=*/16, /*num_value_heads=*/32, /*key_head_dim=*/128,
+              /*value_head_dim=*/128, /*conv_kernel=*/4};
+  c.partial_rotary_factor = 0.25;
+  c.attn_output_gate = true;
+  c.zero_centered_norms = true;
+  return c;
+}
+
 absl::StatusOr<ModelConfig> ModelConfig::FromFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));

@@ -124,6 +124,16 @@ struct ModelConfig {
   static absl::StatusOr<ModelConfig> FromFile(const std::string& path);
 };
 
+// The text model of Qwen3.6-35B-A3B (qwen3_5_moe) for benchmarks and random models: hidden 2048,
+// vocab 248320; every 4th layer gated full attention (16 query / 2 KV heads, head_dim 256,
+// q/k RMSNorm, rotary over a quarter of each head, rope theta 1e7), the others Gated DeltaNet
+// (16 key heads / 32 value heads of 128, conv kernel 4); every layer MoE, 256 experts top-8 of
+// moe_intermediate 512 with a sigmoid-gated shared expert of 512; zero-centred norms. As
+// FromJson reads the published config.json's text_config (model_config_test compares them),
+// less its multimodal wrapper and token ids. `num_layers` (40 in the model) keeps the
+// every-4th-layer rule, for benchmarks on fewer layers.
+ModelConfig Qwen36_35B_A3B(int num_layers = 40);
+
 }  // namespace moe::engine
 
 #endif  // MOE_ENGINE_MODEL_CONFIG_H_

@@ -256,6 +256,60 @@ TEST(ModelConfigTest, Qwen35MoeWrapper) {
   EXPECT_EQ(c->eos_token_ids, std::vector<int32_t>{248044});
 }
 
+// The in-code Qwen3.6-35B-A3B config is what the published config.json parses to, field by
+// field (less the wrapper's multimodal flag and the token ids, which it leaves unset).
+TEST(ModelConfigTest, Qwen36HelperMatchesThePublishedConfig) {
+  absl::StatusOr<ModelConfig> parsed = ModelConfig::FromJson(Qwen35Wrapper(), "q36.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  const ModelConfig& p = *parsed;
+  const ModelConfig c = Qwen36_35B_A3B();
+  EXPECT_EQ(c.model_type, p.model_type);
+  EXPECT_EQ(c.vocab_size, p.vocab_size);
+  EXPECT_EQ(c.hidden_size, p.hidden_size);
+  EXPECT_EQ(c.intermediate_size, p.intermediate_size);
+  EXPECT_EQ(c.moe_intermediate_size, p.moe_intermediate_size);
+  EXPECT_EQ(c.shared_expert_intermediate_size, p.shared_expert_intermediate_size);
+  EXPECT_EQ(c.num_hidden_layers, p.num_hidden_layers);
+  EXPECT_EQ(c.num_attention_heads, p.num_attention_heads);
+  EXPECT_EQ(c.num_key_value_heads, p.num_key_value_heads);
+  EXPECT_EQ(c.head_dim, p.head_dim);
+  EXPECT_EQ(c.rms_norm_eps, p.rms_norm_eps);
+  EXPECT_EQ(c.rope_theta, p.rope_theta);
+  EXPECT_EQ(c.rope_scaling.type, p.rope_scaling.type);
+  EXPECT_EQ(c.max_position_embeddings, p.max_position_embeddings);
+  EXPECT_EQ(c.num_experts, p.num_experts);
+  EXPECT_EQ(c.num_experts_per_tok, p.num_experts_per_tok);
+  EXPECT_EQ(c.norm_topk_prob, p.norm_topk_prob);
+  EXPECT_EQ(c.decoder_sparse_step, p.decoder_sparse_step);
+  EXPECT_EQ(c.mlp_only_layers, p.mlp_only_layers);
+  EXPECT_EQ(c.attention_bias, p.attention_bias);
+  EXPECT_EQ(c.qk_norm, p.qk_norm);
+  EXPECT_EQ(c.tie_word_embeddings, p.tie_word_embeddings);
+  EXPECT_EQ(c.torch_dtype, p.torch_dtype);
+  EXPECT_EQ(c.layer_types, p.layer_types);
+  EXPECT_EQ(c.linear.num_key_heads, p.linear.num_key_heads);
+  EXPECT_EQ(c.linear.num_value_heads, p.linear.num_value_heads);
+  EXPECT_EQ(c.linear.key_head_dim, p.linear.key_head_dim);
+  EXPECT_EQ(c.linear.value_head_dim, p.linear.value_head_dim);
+  EXPECT_EQ(c.linear.conv_kernel, p.linear.conv_kernel);
+  EXPECT_EQ(c.partial_rotary_factor, p.partial_rotary_factor);
+  EXPECT_EQ(c.rotary_dim(), 64);
+  EXPECT_EQ(c.attn_output_gate, p.attn_output_gate);
+  EXPECT_EQ(c.zero_centered_norms, p.zero_centered_norms);
+  EXPECT_FALSE(c.multimodal);
+  EXPECT_TRUE(c.eos_token_ids.empty());
+  // FACTS.md's shape: 3 of 4 layers Gated DeltaNet, 256 x top-8, every layer MoE.
+  EXPECT_EQ(c.NumLinearAttentionLayers(), 30);
+  EXPECT_EQ(c.NumKvLayers(), 10);
+  EXPECT_EQ(c.NumMoeLayers(), 40);
+  // Fewer layers keep the rule.
+  const ModelConfig four = Qwen36_35B_A3B(4);
+  EXPECT_EQ(four.num_hidden_layers, 4);
+  EXPECT_EQ(four.NumKvLayers(), 1);
+  EXPECT_TRUE(four.IsLinearAttentionLayer(2));
+  EXPECT_FALSE(four.IsLinearAttentionLayer(3));
+}
+
 TEST(ModelConfigTest, Qwen35MoeTextConfigDefaultsAndIntervalRule) {
   // The text model alone, no layer_types: transformers' rule, full attention where
   // (layer + 1) % full_attention_interval == 0; partial_rotary_factor 0.25 by default;

@@ -1,10 +1,20 @@
-// Test and benchmark helper: a model of any qwen3_moe / qwen2_moe shape with random weights,
-// built in memory (no files). Dense weights in f32 or bf16; routed experts as cpu_moe banks in
-// bf16 or q4_0 (panels), plus their values as floats (exactly what the bank holds, dequantized)
-// for float64 references.
+// Test and benchmark helper: a model of any qwen3_moe / qwen2_moe / qwen3_5_moe shape with random
+// weights, built in memory (no files). Dense weights in f32 or bf16; routed experts as cpu_moe
+// banks in bf16, fp8_block (row-major codes with 128x128 block scales), q4_0, mxfp4 or nvfp4
+// (panels; nvfp4's gate, up and down each with its own per-tensor scale) as LoadModel lays them
+// out, plus their values as floats (exactly what the bank holds, dequantized) for float64
+// references.
 //
-// `fast_fill`: only a few distinct random experts are drawn and copied over the rest (for
-// full-size benchmark models, where drawing 48 x 128 experts would take minutes).
+// qwen3_5_moe configs (ModelConfig::layer_types with linear-attention layers) get the Gated
+// DeltaNet's weights (in_proj_qkv / z / b / a, the tap-major conv, dt_bias, A_log, the gated
+// norm, out_proj), a q_proj twice as wide for the attention output gate, and the sigmoid-gated
+// shared expert, drawn so that a forward stays in a sane range: projections U(+-1/sqrt(fan_in)),
+// RMSNorm multipliers 1 +- 0.2, A_log = log U(1, 16), dt_bias U(+-0.5), conv taps
+// U(+-1/sqrt(kernel)).
+//
+// `fast_fill`: only a few distinct random experts are drawn and copied over the rest, and dense
+// tensors repeat a tile of random values (for full-size benchmark models, where drawing 48 x 128
+// experts would take minutes).
 #ifndef MOE_ENGINE_RANDOM_MODEL_H_
 #define MOE_ENGINE_RANDOM_MODEL_H_
 
@@ -21,12 +31,15 @@
 
 namespace moe::engine {
 
+// Owns every byte its banks point at; movable, not copyable.
 struct RandomModel {
   std::unique_ptr<ModelWeights> weights;
-  // Per MoE layer: the bank the CPU backend reads and the memory behind it.
+  // Per MoE layer: the bank the CPU backend reads and the memory behind it (bf16 and fp8_block:
+  // row-major; q4_0 and nvfp4: panels).
   std::vector<cpu_moe::ExpertBank> banks;
   std::vector<common::AlignedBuffer<uint16_t>> gate_up_bf16, down_bf16;
-  std::vector<common::AlignedBuffer<common::BlockQ4_0>> gate_up_q4, down_q4;
+  std::vector<common::AlignedBuffer<uint8_t>> gate_up_fp8, down_fp8;
+  std::vector<common::AlignedBuffer<float>> gate_up_fp8_scales, down_fp8_scales;
   std::vector<std::unique_ptr<cpu_moe::PanelBank>> panels;
   // Per MoE layer, float values of the bank ([E, 2I, H] and [E, H, I]); empty with fast_fill.
   std::vector<std::vector<float>> gate_up, down;
@@ -42,7 +55,7 @@ struct RandomModelOptions {
 };
 
 // InvalidArgument for shapes cpu_moe cannot hold (hidden and moe_intermediate_size must be
-// multiples of 32) or formats other than bf16 and q4_0.
+// multiples of 32) or inconsistent linear-attention sizes.
 absl::StatusOr<RandomModel> MakeRandomModel(const ModelConfig& config,
                                             const RandomModelOptions& options);
 
