@@ -103,9 +103,9 @@ int ServerMain(int argc, char** argv, const EngineFactory& create_engine) {
   if (!server.ok()) return Fail(server.status());
 
   const engine::ModelInfo& info = (*server)->engine().model_info();
-  std::printf("serving %s (%s, %d layers, %d experts, context %d) on %s\n", info.name.c_str(),
-              info.family.c_str(), info.num_layers, info.num_experts, info.max_context,
-              options.host.c_str());
+  std::printf("serving %s (%s, %d layers, %d experts in %s, context %d) on %s\n",
+              info.name.c_str(), info.family.c_str(), info.num_layers, info.num_experts,
+              info.expert_format.c_str(), info.max_context, options.host.c_str());
   std::printf("  gRPC  %s:%d (moe.serving.v1.Serving, grpc.health.v1.Health)\n",
               options.host.c_str(), (*server)->grpc_port());
   if ((*server)->http_port() >= 0) {
