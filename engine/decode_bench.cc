@@ -155,39 +155,6 @@ ModelConfig Qwen3_30B_A3B(int layers, int experts, int top_k, int vocab) {
   return c;
 }
 
-// Qwen3.6-35B-A3B's text model (its config.json's text_config).
-ModelConfig Qwen36_35B_A3B() {
-  ModelConfig c;
-  c.model_type = "qwen3_5_moe";
-  c.vocab_size = 248320;
-  c.hidden_size = 2048;
-  c.moe_intermediate_size = 512;
-  c.shared_expert_intermediate_size = 512;
-  c.num_hidden_layers = 40;
-  c.num_attention_heads = 16;
-  c.num_key_value_heads = 2;
-  c.head_dim = 256;
-  c.rms_norm_eps = 1e-6f;
-  c.rope_theta = 10000000.0;
-  c.max_position_embeddings = 262144;
-  c.num_experts = 256;
-  c.num_experts_per_tok = 8;
-  c.norm_topk_prob = true;
-  c.qk_norm = true;
-  c.attn_output_gate = true;
-  c.partial_rotary_factor = 0.25;
-  c.zero_centered_norms = true;
-  for (int l = 0; l < c.num_hidden_layers; ++l) {
-    c.layer_types.push_back(l % 4 == 3 ? LayerKind::kFullAttention : LayerKind::kLinearAttention);
-  }
-  c.linear.num_key_heads = 16;
-  c.linear.num_value_heads = 32;
-  c.linear.key_head_dim = 128;
-  c.linear.value_head_dim = 128;
-  c.linear.conv_kernel = 4;
-  return c;
-}
-
 std::vector<int> ParseInts(const std::string& list, const char* flag) {
   std::vector<int> v;
   for (absl::string_view s : absl::StrSplit(list, ',', absl::SkipEmpty())) {
@@ -669,7 +636,7 @@ int Run() {
   }
   const ModelConfig cfg =
       family == "qwen3_5_moe"
-          ? Qwen36_35B_A3B()
+          ? Qwen36_35B_A3B(40)
           : Qwen3_30B_A3B(absl::GetFlag(FLAGS_layers), absl::GetFlag(FLAGS_experts),
                           absl::GetFlag(FLAGS_top_k), absl::GetFlag(FLAGS_vocab));
   std::unique_ptr<RoutingOverride> routing;
