@@ -54,6 +54,8 @@
 //     sequences, the KV cache and DeltaNet states filled with synthetic values
 //     (GpuModel::FillSyntheticContext) instead of a prompt; the KV cache and state memory at the
 //     largest is printed;
+//   --slots_per_layer 211,119,47: the budgets directly (what --target_misses found, printed),
+//     skipping its search;
 //   --warm_steps N: untimed decode steps after the cache is emptied, before the timed ones
 //     (steady state rather than a cold start).
 // Floors then count the DeltaNet states (read and written once per step and sequence) and the KV
@@ -126,6 +128,10 @@ ABSL_FLAG(std::string, target_misses, "",
 ABSL_FLAG(std::string, context_positions, "",
           "cuda: decode from these positions over a synthetic KV cache and states instead of "
           "a prompt of --context tokens");
+ABSL_FLAG(std::string, slots_per_layer, "",
+          "cuda: expert budgets as GPU slots per MoE layer (replaces --target_misses' search, "
+          "which takes minutes at 256 experts; the misses per token simulated for each are "
+          "still printed)");
 ABSL_FLAG(int, warm_steps, 0, "cuda: untimed decode steps before the timed ones");
 
 namespace moe::engine {
@@ -219,25 +225,33 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
   const int warm = absl::GetFlag(FLAGS_warm_steps);
   // Expert budgets: slots per layer from --target_misses (simulated on the routing) or from
   // --expert_fractions.
-  std::vector<int> budgets;
-  if (!targets.empty()) {
-    if (routing == nullptr) {
-      std::fprintf(stderr, "--target_misses needs --synthetic_routing_from or --routing_trace\n");
-      return 2;
-    }
-    moe_cache::SimOptions so;
-    so.experts = cfg.num_experts;
-    const int M = cfg.NumMoeLayers();
+  std::vector<int> budgets =
+      ParseInts(absl::GetFlag(FLAGS_slots_per_layer), "slots_per_layer");
+  if ((!targets.empty() || !budgets.empty()) && routing == nullptr) {
+    std::fprintf(stderr, "--target_misses and --slots_per_layer need --synthetic_routing_from "
+                         "or --routing_trace\n");
+    return 2;
+  }
+  const int M = cfg.NumMoeLayers();
+  moe_cache::SimOptions so;
+  so.experts = cfg.num_experts;
+  // Misses per token of the routing's trace with `slots` per layer under the engine's policy.
+  auto misses = [&](int slots) {
+    auto r = moe_cache::Simulate(routing->trace(), moe_cache::SimPolicy::kScored, slots * M, so);
+    return r.ok() ? r->misses_per_token() : -1.0;
+  };
+  for (const int slots : budgets) {
+    const double m = misses(slots);
+    std::printf("%d slots per layer: %.1f misses/token simulated with the scored policy over %d "
+                "tokens\n",
+                slots, m, routing->trace().tokens);
+    out["budgets"].push_back({{"slots_per_layer", slots}, {"simulated_misses_per_token", m}});
+  }
+  if (budgets.empty() && !targets.empty()) {
     for (int target : targets) {
       // Misses per token fall as slots grow: bisect on slots per layer.
       int lo = cfg.num_experts_per_tok, hi = cfg.num_experts;
-      double lo_m = 0, hi_m = 0;
-      auto misses = [&](int slots) {
-        auto r = moe_cache::Simulate(routing->trace(), moe_cache::SimPolicy::kScored, slots * M, so);
-        return r.ok() ? r->misses_per_token() : -1.0;
-      };
-      lo_m = misses(lo);
-      hi_m = misses(hi);
+      double lo_m = misses(lo), hi_m = misses(hi);
       while (hi - lo > 1) {
         const int mid = (lo + hi) / 2;
         const double m = misses(mid);
@@ -287,7 +301,7 @@ int RunCuda(const ModelConfig& cfg, RoutingOverride* routing, const std::vector<
   const int P = absl::GetFlag(FLAGS_prefill_tokens), S = absl::GetFlag(FLAGS_decode_steps),
             C = absl::GetFlag(FLAGS_context);
   const int max_batch = *std::max_element(batches.begin(), batches.end());
-  const int M = cfg.NumMoeLayers(), E = cfg.num_experts, K = cfg.num_experts_per_tok;
+  const int E = cfg.num_experts, K = cfg.num_experts_per_tok;
   std::vector<std::string> modes = {"offload"};
   for (absl::string_view m : absl::StrSplit(absl::GetFlag(FLAGS_moe_modes), ',')) {
     if (m == "offload") continue;
@@ -677,7 +691,11 @@ int Run() {
                 "%.3f fitted to %s (%s)\n",
                 sc.layers, sc.k, sc.experts, sc.zipf, sc.reuse, synthetic_from.c_str(),
                 (*fit)->calibration().Summary().c_str());
-    auto r = RoutingOverride::Create(*std::move(syn), cfg, {});
+    // The generated trace continues with its own parameters (no second fit).
+    RoutingOverride::Options gen_opt;
+    gen_opt.zipf = sc.zipf;
+    gen_opt.reuse = sc.reuse;
+    auto r = RoutingOverride::Create(*std::move(syn), cfg, gen_opt);
     if (!r.ok()) {
       std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
       return 2;

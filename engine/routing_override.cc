@@ -178,6 +178,13 @@ ReuseProfile MeasureReuseProfile(const Trace& trace, int32_t experts,
 }
 
 std::string RoutingCalibration::Summary() const {
+  if (generator.hit_rate.size() != trace.hit_rate.size()) {
+    return absl::StrFormat(
+        "continuation past the trace's end: synthetic routing with zipf %.3f, reuse %.3f as "
+        "given (not fitted); share of each layer's top eighth of experts %.3f (continuation: "
+        "%.3f)",
+        zipf, reuse, trace.top_eighth_share, continuation_top_eighth_share);
+  }
   std::string s = absl::StrFormat(
       "continuation past the trace's end: synthetic routing with zipf %.3f, reuse %.3f, fitted "
       "to the trace's reuse-distance profile (trace / generator at the trace's length): "
@@ -256,6 +263,13 @@ absl::Status RoutingOverride::Fit() {
   slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
   calibration_.trace = MeasureReuseProfile(trace_, E, slots);
   trace_rank_ = RankByCount(trace_, E);
+  if (options_.zipf >= 0 && options_.reuse >= 0) {
+    calibration_.zipf = options_.zipf;
+    calibration_.reuse = options_.reuse;
+    RETURN_IF_ERROR(GenerateChunk(0));
+    calibration_.continuation_top_eighth_share = TopEighthShare(continuation_, trace_rank_, E);
+    return absl::OkStatus();
+  }
 
   moe_cache::SyntheticTraceConfig base;
   base.layers = trace_.layers;

@@ -83,6 +83,11 @@ class RoutingOverride {
   struct Options {
     uint64_t seed = 1;                  // of the continuation (and of the fit's generator runs)
     int32_t continuation_chunk = 4096;  // tokens generated at a time past the trace's end
+    // Both >= 0: the continuation's generator parameters as given, without the fit (its search
+    // runs the generator some 500 times at the trace's shape: minutes for a long, wide trace);
+    // the calibration's generator profile is then left empty.
+    double zipf = -1;
+    double reuse = -1;
   };
 
   // Checks the trace against the model: its layers must be config.NumMoeLayers(), its k

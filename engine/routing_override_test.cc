@@ -370,6 +370,41 @@ TEST(RoutingOverrideTest, ContinuationFitsAndKeepsTheTracesHotExperts) {
   }
 }
 
+TEST(RoutingOverrideTest, GivenParametersSkipTheFit) {
+  moe_cache::SyntheticTraceConfig sc;
+  sc.layers = 4;
+  sc.experts = 32;
+  sc.k = 4;
+  sc.tokens = 50;
+  sc.zipf = 1.2;
+  sc.reuse = 0.5;
+  auto trace = moe_cache::GenerateSyntheticTrace(sc);
+  ASSERT_TRUE(trace.ok());
+  ModelConfig c = TinyConfig(false);
+  c.num_hidden_layers = 4;
+  c.num_experts = 32;
+  c.num_experts_per_tok = 4;
+  RoutingOverride::Options o;
+  o.zipf = 0.7;
+  o.reuse = 0.25;
+  auto routing = RoutingOverride::Create(*trace, c, o);
+  ASSERT_TRUE(routing.ok()) << routing.status();
+  const RoutingCalibration& cal = (*routing)->calibration();
+  EXPECT_EQ(cal.zipf, 0.7);
+  EXPECT_EQ(cal.reuse, 0.25);
+  EXPECT_TRUE(cal.generator.hit_rate.empty());
+  EXPECT_NE(cal.Summary().find("as given"), std::string::npos) << cal.Summary();
+  // The trace, then the continuation: valid, distinct ids per row.
+  std::vector<int32_t> ids(4 * 80 * 4);
+  ASSERT_TRUE((*routing)->Next(80, absl::MakeSpan(ids)).ok());
+  for (int row = 0; row < 4 * 80; ++row) {
+    std::set<int32_t> seen(ids.begin() + 4 * row, ids.begin() + 4 * row + 4);
+    EXPECT_EQ(seen.size(), 4u);
+    for (int32_t id : seen) EXPECT_TRUE(id >= 0 && id < 32);
+  }
+  EXPECT_EQ((*routing)->synthetic_tokens_served(), 30);
+}
+
 TEST(RoutingOverrideTest, ShapeMismatchesAreClearErrors) {
   const ModelConfig c = TinyConfig(false);  // 3 MoE layers, top-3 of 8
   auto message = [&](const Trace& t) {

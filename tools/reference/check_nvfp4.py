@@ -11,7 +11,10 @@ in torch), and its teacher-forced logits are compared with the engine's
 (`generate --input-ids IDS.npy --dump-logits OURS.npy --expert_format nvfp4`).
 
 The engine's nvfp4 kernels quantize activations to int8 per 32 elements, so the logits agree to
-about 1e-2 of the largest logit, not 1e-4. A negative control runs the same reference with the
+about 1e-2 of the largest logit, not 1e-4; and where the reference's router nearly ties (top-k
+gap below --router-margin in any MoE layer) that rounding may pick the other expert, which moves
+that position's logits and every later one, so each row is compared up to its first such position
+(the rule the fixtures in engine/testdata follow by drawing their prompts again). A negative control runs the same reference with the
 up projections dequantized with the gate's per-tensor scale (what an engine keeping one scale per
 expert computes); the engine's logits must be closer to the true reference than to that one.
 
@@ -170,13 +173,20 @@ def fuse_qwen3_5_experts(tensors, cfg):
 
 
 def reference_logits(folder, cfg, tensors, ids):
+    """Logits [B, T, V] and, per (row, position), the smallest gap in router logits between the
+    k-th and (k+1)-th expert over the MoE layers [B, T]."""
     if qwen_torch.is_qwen3_5_moe(cfg):
         tensors = fuse_qwen3_5_experts(tensors, cfg)
     model = qwen_torch.load_model(folder, torch.float64, tensors=tensors)
     with torch.no_grad():
         out = model(torch.from_numpy(ids.astype(np.int64)))
-    logits = out[0] if isinstance(out, tuple) else out
-    return logits.numpy()
+    logits, routers = out if isinstance(out, tuple) else (out, [])
+    k = qwen_torch.text_config(cfg)["num_experts_per_tok"]
+    gap = np.full(ids.shape, np.inf)
+    for r in routers:
+        top = r.sort(dim=-1, descending=True).values.numpy()
+        gap = np.minimum(gap, (top[:, k - 1] - top[:, k]).reshape(ids.shape))
+    return logits.numpy(), gap
 
 
 def main():
@@ -185,6 +195,11 @@ def main():
     ap.add_argument("--input-ids", required=True, help=".npy int [batch, tokens] (or [tokens])")
     ap.add_argument("--logits", required=True, help="the engine's --dump-logits output")
     ap.add_argument("--tol", type=float, default=0.05, help="max |logit diff| / max |logit|")
+    ap.add_argument("--router-margin", type=float, default=0.02,
+                    help="compare each row up to its first position whose router has a top-k gap "
+                         "below this (in logits) in any MoE layer")
+    ap.add_argument("--min-positions", type=int, default=8,
+                    help="fail when a row has fewer positions before its first near-tie")
     ap.add_argument("--allow-numpy", action="store_true",
                     help="run with the numpy fallback where torch lacks float4/float8 (plumbing only)")
     args = ap.parse_args()
@@ -210,23 +225,37 @@ def main():
     raw = read_raw(args.model)
     tensors, n = dequantize(raw, use_torch)
     print(f"{args.model}: {n} NVFP4 tensors dequantized")
-    want = reference_logits(args.model, cfg, tensors, ids)
+    want, gap = reference_logits(args.model, cfg, tensors, ids)
     control, _ = dequantize(raw, use_torch, one_scale=True)
-    wrong = reference_logits(args.model, cfg, control, ids)
+    wrong, _ = reference_logits(args.model, cfg, control, ids)
     if got.shape != want.shape:
         sys.exit(f"shapes differ: engine {got.shape}, reference {want.shape}")
     worst, ok = 0.0, True
     for b in range(ids.shape[0]):
-        scale = float(np.max(np.abs(want[b])))
-        ratio = float(np.max(np.abs(got[b] - want[b]))) / max(scale, 1e-30)
-        ratio_wrong = float(np.max(np.abs(got[b] - wrong[b]))) / max(scale, 1e-30)
-        agree = float(np.mean(got[b].argmax(-1) == want[b].argmax(-1)))
+        # The engine's experts see int8-quantized activations: where the reference's router
+        # nearly ties, that rounding may legitimately pick the other expert, which moves that
+        # position's logits and, through the KV cache and recurrent state, every later one. Each
+        # row is compared up to its first such position (the fixtures' rule, per position).
+        ties = np.nonzero(gap[b] < args.router_margin)[0]
+        n = int(ties[0]) if len(ties) else ids.shape[1]
+        if n < args.min_positions:
+            ok = False
+            print(f"row {b}: router near-tie at position {n} (gap {gap[b][n]:.3g}): fewer than "
+                  f"{args.min_positions} positions to compare; draw other ids")
+            continue
+        scale = float(np.max(np.abs(want[b, :n])))
+        ratio = float(np.max(np.abs(got[b, :n] - want[b, :n]))) / max(scale, 1e-30)
+        ratio_wrong = float(np.max(np.abs(got[b, :n] - wrong[b, :n]))) / max(scale, 1e-30)
+        agree = float(np.mean(got[b, :n].argmax(-1) == want[b, :n].argmax(-1)))
         worst = max(worst, ratio)
         closer = ratio < ratio_wrong
         ok = ok and closer
-        print(f"row {b}: max |diff| / max |logit| = {ratio:.3g} (one-scale control {ratio_wrong:.3g}, "
+        tie = (f"positions 0-{n - 1} (router near-tie at {n}, gap {gap[b][n]:.3g} < "
+               f"{args.router_margin})" if n < ids.shape[1] else f"all {n} positions")
+        print(f"row {b}, {tie}: max |diff| / max |logit| = {ratio:.3g} (one-scale control "
+              f"{ratio_wrong:.3g}, "
               f"{'closer to the true reference' if closer else 'NOT closer than the control'}), "
-              f"argmax agrees on {agree:.1%} of {ids.shape[1]} positions")
+              f"argmax agrees on {agree:.1%}")
     ok = ok and worst <= args.tol
     print(f"{'PASS' if ok else 'FAIL'}: worst ratio {worst:.3g}, tolerance {args.tol}"
           + ("" if use_torch else " (numpy fallback: plumbing only)"))

@@ -71,7 +71,7 @@ TEST(ValidateLayerTest, ServesTheDocumentedShapes) {
   PagedKvLayer l;
   l.num_blocks = 4;
   l.num_kv_heads = 4;
-  for (int hd : {16, 32, 64, 128}) {
+  for (int hd : {16, 32, 64, 128, 256}) {
     for (int bs : {16, 32, 1024}) {
       l.head_dim = hd;
       l.block_size = bs;
@@ -84,8 +84,10 @@ TEST(ValidateLayerTest, ServesTheDocumentedShapes) {
     EXPECT_EQ(ValidateLayer(l).code(), absl::StatusCode::kInvalidArgument) << bs;
   }
   l.block_size = 16;
-  l.head_dim = 256;
-  EXPECT_EQ(ValidateLayer(l).code(), absl::StatusCode::kInvalidArgument);
+  for (int hd : {8, 96, 512}) {
+    l.head_dim = hd;
+    EXPECT_EQ(ValidateLayer(l).code(), absl::StatusCode::kInvalidArgument) << hd;
+  }
 }
 
 }  // namespace

@@ -350,10 +350,15 @@ __global__ void __launch_bounds__(kThreads) DecodePartialKernel(
   }
   ReduceL(acc);
 
-  __shared__ float sm_o[kWarps][kRows][D];
+  // Rows g + 8 only where they exist (16 rows of 256 floats per warp would not fit).
+  __shared__ float sm_o[kWarps][kTwoRows ? kRows : kRows / 2][D];
   __shared__ float sm_m[kWarps][kRows];
   __shared__ float sm_l[kWarps][kRows];
-  StoreRows<D>(acc, 1.f, 1.f, &sm_o[warp][g][0], kTwoRows ? &sm_o[warp][g + 8][0] : nullptr);
+  if constexpr (kTwoRows) {
+    StoreRows<D>(acc, 1.f, 1.f, &sm_o[warp][g][0], &sm_o[warp][g + 8][0]);
+  } else {
+    StoreRows<D>(acc, 1.f, 1.f, &sm_o[warp][g][0], nullptr);
+  }
   if (t == 0) {
     sm_m[warp][g] = acc.m[0];
     sm_l[warp][g] = acc.l[0];
@@ -532,12 +537,18 @@ Pool MakePool(const PagedKvLayer& l) {
 
 float QScale(int head_dim) { return 1.0f / std::sqrt(static_cast<float>(head_dim)) * kLog2e; }
 
+// Query heads per KV head that one warp's 16 rows serve; head_dim 256 takes 8 (rows g alone),
+// since the decode kernel's merge of 16 rows of 256 floats per warp would not fit in shared
+// memory.
+int MaxGroup(int head_dim) { return head_dim > 128 ? kRows / 2 : kRows; }
+
 absl::Status CheckGroup(const PagedKvLayer& layer, int num_q_heads) {
+  const int max_group = MaxGroup(layer.head_dim);
   if (num_q_heads <= 0 || num_q_heads % layer.num_kv_heads != 0 ||
-      num_q_heads / layer.num_kv_heads > kRows) {
+      num_q_heads / layer.num_kv_heads > max_group) {
     return absl::InvalidArgumentError(absl::StrCat(
         "paged attention: num_q_heads ", num_q_heads, " must be a multiple of num_kv_heads ",
-        layer.num_kv_heads, " by 1 to ", kRows));
+        layer.num_kv_heads, " by 1 to ", max_group, " (head_dim ", layer.head_dim, ")"));
   }
   return absl::OkStatus();
 }
@@ -552,10 +563,14 @@ absl::Status LaunchDecodeD(const Pool& pool, const DecodeArgs& a, const DecodePl
                            const DecodeWorkspace& ws, int group, cudaStream_t stream) {
   const int splits = plan.SplitsForBatch(a.batch);
   const dim3 grid(splits, pool.num_kv_heads, a.batch);
-  if (group > 8) {
-    DecodePartialKernel<D, true><<<grid, kThreads, 0, stream>>>(
-        pool, a.q, a.seq_lens, a.block_tables, a.max_blocks_per_seq, a.num_q_heads, group,
-        QScale(D), plan.min_chunk, ws.partial_out(), ws.partial_lse());
+  bool two_rows = false;
+  if constexpr (D <= 128) two_rows = group > 8;  // CheckGroup keeps head_dim 256 to 8
+  if (two_rows) {
+    if constexpr (D <= 128) {
+      DecodePartialKernel<D, true><<<grid, kThreads, 0, stream>>>(
+          pool, a.q, a.seq_lens, a.block_tables, a.max_blocks_per_seq, a.num_q_heads, group,
+          QScale(D), plan.min_chunk, ws.partial_out(), ws.partial_lse());
+    }
   } else {
     DecodePartialKernel<D, false><<<grid, kThreads, 0, stream>>>(
         pool, a.q, a.seq_lens, a.block_tables, a.max_blocks_per_seq, a.num_q_heads, group,
@@ -622,8 +637,10 @@ absl::Status LaunchDecodeAttention(const PagedKvLayer& layer, const DecodeArgs& 
       return LaunchDecodeD<32>(pool, a, plan, ws, group, stream);
     case 64:
       return LaunchDecodeD<64>(pool, a, plan, ws, group, stream);
-    default:
+    case 128:
       return LaunchDecodeD<128>(pool, a, plan, ws, group, stream);
+    default:  // 256 (ValidateLayer)
+      return LaunchDecodeD<256>(pool, a, plan, ws, group, stream);
   }
 }
 
@@ -647,8 +664,10 @@ absl::Status LaunchPrefillAttention(const PagedKvLayer& layer, const PrefillArgs
       return LaunchPrefillD<32>(pool, a, group, stream);
     case 64:
       return LaunchPrefillD<64>(pool, a, group, stream);
-    default:
+    case 128:
       return LaunchPrefillD<128>(pool, a, group, stream);
+    default:  // 256 (ValidateLayer)
+      return LaunchPrefillD<256>(pool, a, group, stream);
   }
 }
 

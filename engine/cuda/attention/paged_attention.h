@@ -17,8 +17,8 @@
 // (hi + lo, about 16 significant bits), so the result matches f32 arithmetic over the bf16 keys
 // and values to ~1e-5 relative, not bf16-rounded queries.
 //
-// Supported: head_dim 16, 32, 64 or 128; num_q_heads / num_kv_heads from 1 to 16; block_size a
-// power of two from 16 to 1024. Every launch validates on the host and returns InvalidArgument
+// Supported: head_dim 16, 32, 64, 128 or 256; num_q_heads / num_kv_heads from 1 to 16 (to 8 at
+// head_dim 256); block_size a power of two from 16 to 1024. Every launch validates on the host and returns InvalidArgument
 // outside that; kernel launch errors come back as Internal. Launch functions neither allocate nor
 // synchronize. Plain C++ header: no CUDA includes; without CUDA everything returns Unavailable.
 #ifndef MOE_ENGINE_CUDA_ATTENTION_PAGED_ATTENTION_H_

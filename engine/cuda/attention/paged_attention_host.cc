@@ -44,9 +44,10 @@ void DeviceFree(void* p) {
 }  // namespace
 
 absl::Status ValidateLayer(const PagedKvLayer& l) {
-  if (l.head_dim != 16 && l.head_dim != 32 && l.head_dim != 64 && l.head_dim != 128) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("paged attention: head_dim must be 16, 32, 64 or 128, got ", l.head_dim));
+  if (l.head_dim != 16 && l.head_dim != 32 && l.head_dim != 64 && l.head_dim != 128 &&
+      l.head_dim != 256) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "paged attention: head_dim must be 16, 32, 64, 128 or 256, got ", l.head_dim));
   }
   if (!IsPow2(l.block_size) || l.block_size < 16 || l.block_size > 1024) {
     return absl::InvalidArgumentError(absl::StrCat(

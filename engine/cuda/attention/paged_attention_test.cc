@@ -339,6 +339,10 @@ TEST(DecodeAttentionTest, Qwen3HeadsLargeGroupsBlockSizesAndEmptyRows) {
   RunDecode({{5000, 48}, /*kv_heads=*/1, /*group=*/7, 128, /*block_size=*/32}, 303);
   // Lengths far past the context the workspace was planned for still work (longer chunks).
   RunDecode({{20000, 9}, /*kv_heads=*/4, /*group=*/8, 128, 16, /*max_context=*/512}, 304);
+  // Qwen3.5 / 3.6 full attention: heads of 256, 16 query heads over 2 KV heads.
+  RunDecode({{16384, 1, 300}, /*kv_heads=*/2, /*group=*/8, 256}, 305);
+  RunDecode({{123000, 40}, /*kv_heads=*/2, /*group=*/8, 256}, 306);
+  RunDecode({{700, 33}, /*kv_heads=*/2, /*group=*/1, 256, /*block_size=*/32}, 307);
 }
 
 struct PrefillCase {
@@ -408,6 +412,8 @@ TEST(PrefillAttentionTest, Qwen3HeadsSmallHeadsAndOtherBlocks) {
   RunPrefill({1000, 129, 4, 8, 128, /*block_size=*/64}, 501);
   RunPrefill({37, 50, 2, 16, 16}, 502);
   RunPrefill({5, 33, 3, 3, 64, /*block_size=*/32}, 503);
+  RunPrefill({0, 300, 2, 8, 256}, 504);
+  RunPrefill({1000, 70, 2, 8, 256, /*block_size=*/64}, 505);
 }
 
 // A decode launch captured once, replayed with new lengths, tables and queries written into the
@@ -517,6 +523,13 @@ TEST(PagedAttentionTest, RejectsUnservedShapes) {
   p.num_q_heads = 3;  // not a multiple
   EXPECT_EQ(LaunchPrefillAttention(l, p, nullptr).code(), absl::StatusCode::kInvalidArgument);
   l.block_size = 8;
+  p.num_q_heads = 4;
+  EXPECT_EQ(LaunchPrefillAttention(l, p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  l.block_size = 16;
+  l.head_dim = 256;
+  p.num_q_heads = 32;  // group 16: heads of 256 serve groups up to 8
+  EXPECT_EQ(LaunchPrefillAttention(l, p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  l.head_dim = 96;
   p.num_q_heads = 4;
   EXPECT_EQ(LaunchPrefillAttention(l, p, nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
