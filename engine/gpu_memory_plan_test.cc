@@ -228,39 +228,8 @@ TEST(GpuMemoryPlanTest, BadRequestValues) {
   EXPECT_EQ(p->max_context, 4096);
 }
 
-// Qwen3.6-35B-A3B's text model: 40 layers, every fourth full attention (16 q / 2 kv heads of
-// 256, q with its output gate), the rest Gated DeltaNet (16 key heads, 32 value heads of 128,
-// conv kernel 4); 256 experts top-8 of intermediate 512 and a gated shared expert of 512.
-ModelConfig Qwen36_35B_A3B() {
-  ModelConfig c;
-  c.model_type = "qwen3_5_moe";
-  c.vocab_size = 248320;
-  c.hidden_size = 2048;
-  c.moe_intermediate_size = 512;
-  c.shared_expert_intermediate_size = 512;
-  c.num_hidden_layers = 40;
-  c.num_attention_heads = 16;
-  c.num_key_value_heads = 2;
-  c.head_dim = 256;
-  c.max_position_embeddings = 262144;
-  c.num_experts = 256;
-  c.num_experts_per_tok = 8;
-  c.norm_topk_prob = true;
-  c.qk_norm = true;
-  c.attn_output_gate = true;
-  c.partial_rotary_factor = 0.25;
-  for (int l = 0; l < 40; ++l) {
-    c.layer_types.push_back(l % 4 == 3 ? LayerKind::kFullAttention : LayerKind::kLinearAttention);
-  }
-  c.linear.num_key_heads = 16;
-  c.linear.num_value_heads = 32;
-  c.linear.key_head_dim = 128;
-  c.linear.value_head_dim = 128;
-  c.linear.conv_kernel = 4;
-  return c;
-}
-
 TEST(GpuMemoryPlanTest, GatedDeltaNetLayersHoldStatesNotKv) {
+  // model_config's Qwen3.6-35B-A3B: 10 full-attention layers, 30 Gated DeltaNet.
   const ModelConfig c = Qwen36_35B_A3B();
   ASSERT_EQ(c.NumKvLayers(), 10);
   ASSERT_EQ(c.NumLinearAttentionLayers(), 30);
