@@ -5,6 +5,7 @@
 //
 // Arguments: //serving:server, //tools:make_tiny_model.
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -109,9 +110,20 @@ void LoadMatchesSoloRuns(const std::vector<std::string>& extra_flags, bool expec
   EXPECT_EQ(mismatches.load(), 0);
   EXPECT_EQ(completed.load(), kClients * kRequestsPerClient);
 
-  grpc::ClientContext ctx;
+  // The engine publishes occupancy after the step that delivered the final tokens, so a client
+  // can see its stream end a moment before the stats do: poll until they settle (a leaked
+  // sequence or block never does, and fails below).
   v1::Stats stats;
-  ASSERT_TRUE(stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+  const auto settle_by = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (;;) {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+    if ((stats.running() == 0 && stats.kv_blocks_used() == 0) ||
+        std::chrono::steady_clock::now() > settle_by) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   EXPECT_GT(stats.mean_batch_size(), 1.0) << "requests never shared a step";
   if (expect_preemption) {
     EXPECT_GT(stats.preemptions(), 0u);
