@@ -42,8 +42,11 @@
 //
 // --family qwen3_5_moe runs a model of Qwen3.6-35B-A3B's shape instead (40 layers: 30 Gated
 // DeltaNet and 10 gated full attention of 16 q / 2 KV heads of 256; 256 experts top-8 of
-// intermediate 512 and a gated shared expert; vocabulary 248320; --layers, --experts, --top_k and
-// --vocab do not apply). With it, on cuda:
+// intermediate 512 and a gated shared expert; vocabulary 248320; --experts, --top_k and --vocab
+// do not apply, and --layers below 40 keeps the family's rule of one full-attention layer in
+// four). On the CPU each decoding sequence holds its DeltaNet state as the engine does, and the
+// roofline counts that state (read and written once per step) beside the full-attention layers'
+// KV. With it, on cuda:
 //   --synthetic_routing_from TRACE.npy: routing from moe_cache's synthetic generator at the
 //     model's own shape (40 layers x 256 experts, top-8), its popularity and reuse fitted to the
 //     trace's (routing_override.h's calibration, printed);
@@ -94,7 +97,8 @@
 #include "moe_cache/trace.h"
 #include "nlohmann/json.hpp"
 
-ABSL_FLAG(int, layers, 48, "decoder layers (48: the real depth)");
+ABSL_FLAG(int, layers, 0,
+          "decoder layers; 0: the family's real depth (48 for qwen3_moe, 40 for qwen3_5_moe)");
 ABSL_FLAG(int, experts, 128, "routed experts per layer");
 ABSL_FLAG(int, top_k, 8, "experts per token (num_experts_per_tok); must match --routing_trace's k");
 ABSL_FLAG(std::string, routing_trace, "",
@@ -121,7 +125,7 @@ ABSL_FLAG(bool, eager, true, "cuda: also time offload decode with eager launches
 ABSL_FLAG(std::string, family, "qwen3_moe",
           "qwen3_moe (Qwen3-30B-A3B's shape) or qwen3_5_moe (Qwen3.6-35B-A3B's)");
 ABSL_FLAG(std::string, synthetic_routing_from, "",
-          "cuda: route by the synthetic generator at the model's shape, fitted to this trace");
+          "route by the synthetic generator at the model's shape, fitted to this trace");
 ABSL_FLAG(std::string, target_misses, "",
           "cuda: expert budgets giving about these misses per token (needs "
           "--synthetic_routing_from or --routing_trace); replaces --expert_fractions");
@@ -648,11 +652,12 @@ int Run() {
     std::fprintf(stderr, "--family must be qwen3_moe or qwen3_5_moe, not '%s'\n", family.c_str());
     return 2;
   }
+  const bool qwen35 = family == "qwen3_5_moe";
+  const int layers = absl::GetFlag(FLAGS_layers) > 0 ? absl::GetFlag(FLAGS_layers) : qwen35 ? 40 : 48;
   const ModelConfig cfg =
-      family == "qwen3_5_moe"
-          ? Qwen36_35B_A3B(40)
-          : Qwen3_30B_A3B(absl::GetFlag(FLAGS_layers), absl::GetFlag(FLAGS_experts),
-                          absl::GetFlag(FLAGS_top_k), absl::GetFlag(FLAGS_vocab));
+      qwen35 ? Qwen36_35B_A3B(layers)
+             : Qwen3_30B_A3B(layers, absl::GetFlag(FLAGS_experts), absl::GetFlag(FLAGS_top_k),
+                             absl::GetFlag(FLAGS_vocab));
   std::unique_ptr<RoutingOverride> routing;
   std::string trace_path = absl::GetFlag(FLAGS_routing_trace);
   const std::string synthetic_from = absl::GetFlag(FLAGS_synthetic_routing_from);
@@ -761,17 +766,34 @@ int Run() {
     const int max_pos = std::max(P, C + S) + 1;
     auto model = Model::Create(rm->weights.get(), &backend, &pool, false, max_pos);
     const int bs = 16;
-    auto kv = KvCache::Create(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs,
+    auto kv = KvCache::Create(cfg.NumKvLayers(), cfg.num_key_value_heads, cfg.head_dim, bs,
                               (max_batch + 1) * ((max_pos + bs - 1) / bs));
     if (!model.ok() || !kv.ok()) {
-      std::fprintf(stderr, "setup failed\n");
+      std::fprintf(stderr, "setup failed: %s\n",
+                   (!model.ok() ? model.status() : kv.status()).ToString().c_str());
       return 1;
     }
+    // DeltaNet states: slot 0 for the prefill case, slots 0..B-1 for a decode case.
+    std::unique_ptr<LinearAttentionState> state;
+    if (cfg.NumLinearAttentionLayers() > 0) {
+      auto st = LinearAttentionState::Create(cfg, max_batch);
+      if (!st.ok()) {
+        std::fprintf(stderr, "setup failed: %s\n", st.status().ToString().c_str());
+        return 1;
+      }
+      state = *std::move(st);
+    }
+    const double state_bytes = static_cast<double>(LinearAttentionState::BytesPerSequence(cfg));
+    auto forward = [&](absl::Span<const Model::Chunk> chunks, std::vector<float>* logits) {
+      const absl::Status st = (*model)->Forward(chunks, kv->get(), logits, state.get());
+      if (!st.ok()) std::fprintf(stderr, "forward failed: %s\n", st.ToString().c_str());
+      return st.ok();
+    };
     const uint64_t dense = DenseBytes(*rm->weights);
     const uint64_t expert_bytes = rm->banks[0].BytesPerExpert();
     const int moe_layers = cfg.NumMoeLayers();
     const uint64_t kv_token_bytes =
-        2ull * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * sizeof(float);
+        2ull * cfg.NumKvLayers() * cfg.num_key_value_heads * cfg.head_dim * sizeof(float);
     auto tokens = [&](int n, int seed) {
       std::vector<int32_t> t(n);
       for (int i = 0; i < n; ++i) t[i] = (seed * 7919 + i * 104729) % cfg.vocab_size;
@@ -783,17 +805,17 @@ int Run() {
       std::vector<int32_t> table;
       (*kv)->Allocate((P + bs - 1) / bs, &table);
       const std::vector<int32_t> prompt = tokens(P, 1);
-      Model::Chunk ch{prompt, 0, &table, Model::Logits::kLast};
+      Model::Chunk ch{prompt, 0, &table, Model::Logits::kLast, state ? 0 : -1};
       std::vector<float> logits;
       (*model)->set_routing_override(routing.get());
       if (routing) routing->Rewind();
-      if (!(*model)->Forward({&ch, 1}, kv->get(), &logits).ok()) return 1;
+      if (!forward({&ch, 1}, &logits)) return 1;
       const uint64_t u0 = backend.total_unique_experts();
       const double gbps = probe.Measure(3);
       if (routing) routing->Rewind();
       const auto t1 = Clock::now();
       logits.clear();
-      if (!(*model)->Forward({&ch, 1}, kv->get(), &logits).ok()) return 1;
+      if (!forward({&ch, 1}, &logits)) return 1;
       Case c;
       c.format = std::string(fname);
       c.kind = "prefill";
@@ -802,7 +824,8 @@ int Run() {
       c.seconds = std::chrono::duration<double>(Clock::now() - t1).count();
       const double unique = static_cast<double>(backend.total_unique_experts() - u0);
       c.unique_experts_per_layer = unique / moe_layers;
-      c.bytes_per_token = (dense + unique * expert_bytes + kv_token_bytes * P / 2.0) / P;
+      c.bytes_per_token =
+          (dense + unique * expert_bytes + kv_token_bytes * P / 2.0 + 2 * state_bytes) / P;
       c.dram_gbps = gbps;
       c.tok_s = P / c.seconds;
       c.roofline_tok_s = gbps * 1e9 / c.bytes_per_token;
@@ -823,10 +846,10 @@ int Run() {
       for (int b = 0; b < B; ++b) {
         (*kv)->Allocate((C + S + 1 + bs - 1) / bs, &tables[b]);
         seqs[b] = tokens(C, 100 + b);
-        chunks.push_back({seqs[b], 0, &tables[b], Model::Logits::kLast});
+        chunks.push_back({seqs[b], 0, &tables[b], Model::Logits::kLast, state ? b : -1});
       }
       std::vector<float> logits;
-      if (!(*model)->Forward(chunks, kv->get(), &logits).ok()) return 1;
+      if (!forward(chunks, &logits)) return 1;
       std::vector<int32_t> next(B);
       for (int b = 0; b < B; ++b) {
         next[b] = ArgMax(logits.data() + static_cast<size_t>(b) * cfg.vocab_size, cfg.vocab_size);
@@ -841,12 +864,12 @@ int Run() {
       for (int step = 0; step < S; ++step) {
         chunks.clear();
         for (int b = 0; b < B; ++b) {
-          chunks.push_back(
-              {absl::MakeConstSpan(&next[b], 1), C + step, &tables[b], Model::Logits::kLast});
-          kv_bytes += static_cast<double>(kv_token_bytes) * (C + step + 1);
+          chunks.push_back({absl::MakeConstSpan(&next[b], 1), C + step, &tables[b],
+                            Model::Logits::kLast, state ? b : -1});
+          kv_bytes += static_cast<double>(kv_token_bytes) * (C + step + 1) + 2 * state_bytes;
         }
         logits.clear();
-        if (!(*model)->Forward(chunks, kv->get(), &logits).ok()) return 1;
+        if (!forward(chunks, &logits)) return 1;
         for (int b = 0; b < B; ++b) {
           next[b] = ArgMax(logits.data() + static_cast<size_t>(b) * cfg.vocab_size, cfg.vocab_size);
         }
